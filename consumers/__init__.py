@@ -1,0 +1,1 @@
+"""The sandbox-lanes pod: pure lane rules, the stream runtime and the state store."""

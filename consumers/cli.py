@@ -1,0 +1,140 @@
+"""``sandbox-lanes``: the pod and its operator tools."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from consumers.logs import setup_logging
+from consumers.settings import ConfigError, load_settings
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from consumers.compose import compose
+
+    settings = load_settings()
+    setup_logging(args.log_level, secrets=[settings.raw.get("STIGMER_RUNNER_TOKEN_KEY", "")])
+    composed = compose(settings, logging.getLogger("sandbox_lanes"))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, composed.pod.request_stop)
+        try:
+            await composed.pod.run()
+        finally:
+            if composed.provisioner is not None:
+                await composed.provisioner.close()
+
+    asyncio.run(main())
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from consumers.demo import run_demo
+
+    setup_logging("info" if args.verbose else "warning")
+    return asyncio.run(run_demo(verbose=args.verbose))
+
+
+def _cmd_produce(args: argparse.Namespace) -> int:
+    from consumers.tools import load_events, produce
+
+    settings = load_settings()
+    setup_logging(args.log_level)
+    messages = load_events(Path(args.file))
+    count = asyncio.run(produce(args.bootstrap or settings.bootstrap, messages, settings.topics))
+    print(f"produced {count} events to {args.bootstrap or settings.bootstrap}")
+    return 0
+
+
+def _cmd_tail(args: argparse.Namespace) -> int:
+    from consumers.tools import tail
+
+    settings = load_settings()
+    setup_logging(args.log_level)
+    topics = settings.topics
+    names = [topics.outcomes]
+    if args.state:
+        names.append(topics.state)
+    if args.dlq:
+        names.append(topics.dead_letter)
+    if args.inputs:
+        names.extend(topics.inputs)
+    asyncio.run(
+        tail(
+            args.bootstrap or settings.bootstrap,
+            names,
+            from_beginning=not args.latest,
+            idle_timeout_s=None if args.follow else args.idle_timeout,
+            max_records=args.max,
+            isolation_level="read_committed" if settings.guarantee == "exactly_once" else "read_uncommitted",
+        )
+    )
+    return 0
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    print(json.dumps(load_settings().effective(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sandbox-lanes",
+        description="Event-sourced Kafka consumer that provisions and tears down execution sandboxes.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        return p
+
+    add("run", "run the pod (configured from the environment; see the README's config table)").set_defaults(
+        func=_cmd_run
+    )
+    demo = add("demo", "start the embedded Tansu broker and the pod, play a short scenario, clean up")
+    demo.add_argument("--verbose", action="store_true", help="also print the pod's logs")
+    demo.set_defaults(func=_cmd_demo)
+    produce = add("produce", "publish input events from a JSON or YAML file")
+    produce.add_argument("file", help="a list of {type: ExecutionCreated|PhaseChanged|SessionDeleted, ...fields}")
+    produce.add_argument("--bootstrap", help="override KAFKA_BOOTSTRAP_SERVERS")
+    produce.set_defaults(func=_cmd_produce)
+    tail = add("tail", "print decoded outcome (and optionally state, dead-letter, input) events as JSON lines")
+    tail.add_argument("--bootstrap", help="override KAFKA_BOOTSTRAP_SERVERS")
+    tail.add_argument("--state", action="store_true", help="include the compacted state topic")
+    tail.add_argument("--dlq", action="store_true", help="include the dead-letter topic")
+    tail.add_argument("--inputs", action="store_true", help="include the input topics")
+    tail.add_argument("--latest", action="store_true", help="start at the end instead of the beginning")
+    tail.add_argument("--follow", action="store_true", help="keep waiting for new records")
+    tail.add_argument("--idle-timeout", type=float, default=5.0, help="stop after this many idle seconds")
+    tail.add_argument("--max", type=int, default=None, help="stop after this many records")
+    tail.set_defaults(func=_cmd_tail)
+    config = add("config", "configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    show = config_sub.add_parser("show", help="print the effective configuration, secrets masked")
+    show.set_defaults(func=_cmd_config_show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        print(f"sandbox-lanes: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

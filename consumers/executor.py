@@ -1,0 +1,73 @@
+"""The edge where decisions meet the world: mint, call the driver, probe.
+
+Every failure becomes a :class:`CommandResult` with the error's message; nothing
+raises out of here, which is what keeps a provisioning failure from ever
+crashing the pod. Timeouts bound a hung driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from consumers.credentials import RunnerCredentialProvider, mint_sandbox_token
+from consumers.rules import Command, CommandResult, Ensure
+from drivers.contract import SandboxEnvironment, SandboxProvisioner
+
+
+def error_message(exc: BaseException) -> str:
+    """Upstream uses the error's message, or its string form."""
+    text = str(exc)
+    return text if text else type(exc).__name__
+
+
+class CommandRunner:
+    """Anything that turns a command into a result (the real executor, or replay's recorder)."""
+
+    async def run(self, command: Command) -> CommandResult:
+        raise NotImplementedError
+
+
+@dataclass
+class DriverExecutor(CommandRunner):
+    provisioner: SandboxProvisioner
+    credentials: RunnerCredentialProvider
+    logger: logging.Logger
+    ensure_timeout_s: float = 120.0
+    teardown_timeout_s: float = 60.0
+
+    async def run(self, command: Command) -> CommandResult:
+        if isinstance(command, Ensure):
+            return await self._ensure(command)
+        try:
+            await asyncio.wait_for(
+                self.provisioner.deprovision(command.scope, command.sandbox_id), self.teardown_timeout_s
+            )
+        except TimeoutError:
+            return CommandResult(ok=False, error=f"sandbox teardown timed out after {self.teardown_timeout_s:g}s")
+        except Exception as exc:
+            return CommandResult(ok=False, error=error_message(exc))
+        return CommandResult(ok=True)
+
+    async def _ensure(self, command: Ensure) -> CommandResult:
+        try:
+            token = await mint_sandbox_token(self.credentials, command.mint, self.logger)
+            env = SandboxEnvironment(
+                task_queue=command.task_queue, stigmer_token=token, caller_class=command.caller_class
+            )
+            await asyncio.wait_for(
+                self.provisioner.ensure(command.scope, command.sandbox_id, env), self.ensure_timeout_s
+            )
+        except TimeoutError:
+            return CommandResult(ok=False, error=f"sandbox ensure timed out after {self.ensure_timeout_s:g}s")
+        except Exception as exc:
+            return CommandResult(ok=False, error=error_message(exc))
+        try:
+            probe_state: str = await asyncio.wait_for(
+                self.provisioner.probe(command.scope, command.sandbox_id), self.ensure_timeout_s
+            )
+        except Exception as exc:  # the ensure succeeded; a failed probe only loses a diagnostic
+            self.logger.warning("Sandbox probe after ensure failed", extra={"error": error_message(exc)})
+            probe_state = "unknown"
+        return CommandResult(ok=True, probe_state=probe_state, token_minted=token != "")

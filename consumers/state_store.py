@@ -1,0 +1,125 @@
+"""The execution state store: an in-memory view of a compacted Kafka topic.
+
+Keyed by execution id, partitioned exactly like the input topics (partition N
+of the state topic holds the keys of partition N of every input). The topic is
+the truth; memory is a cache rebuilt by :meth:`StateStore.restore` whenever a
+partition is assigned, which is what a restarted or rebalanced pod recovers from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from google.protobuf.message import DecodeError as ProtobufDecodeError
+
+from events.codec import decode_state
+from events.sandbox_lanes.v1 import state_pb2
+
+logger = logging.getLogger("sandbox_lanes.state")
+
+
+@dataclass
+class RestoreReport:
+    partitions: int
+    records: int
+    keys: int
+    seconds: float
+
+
+class StateStore:
+    def __init__(self, topic: str) -> None:
+        self.topic = topic
+        self._partitions: dict[int, dict[str, state_pb2.ExecutionState]] = {}
+
+    def get(self, partition: int, key: str) -> state_pb2.ExecutionState | None:
+        return self._partitions.get(partition, {}).get(key)
+
+    def put(self, partition: int, key: str, state: state_pb2.ExecutionState) -> None:
+        self._partitions.setdefault(partition, {})[key] = state
+
+    def owned(self) -> set[int]:
+        return set(self._partitions)
+
+    def drop(self, partitions: Iterable[int]) -> None:
+        for p in partitions:
+            self._partitions.pop(p, None)
+
+    def items(self) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
+        for part in self._partitions.values():
+            yield from part.items()
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self._partitions.values())
+
+    async def restore(
+        self,
+        bootstrap: str,
+        partitions: Iterable[int],
+        *,
+        isolation_level: str = "read_committed",
+        timeout_s: float = 300.0,
+    ) -> RestoreReport:
+        """Rebuild the given partitions from the beginning of the state topic up to its end."""
+        wanted = sorted(set(partitions))
+        started = time.monotonic()
+        if not wanted:
+            return RestoreReport(0, 0, 0, 0.0)
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            isolation_level=isolation_level,
+            auto_offset_reset="earliest",
+            max_partition_fetch_bytes=4 * 1024 * 1024,
+        )
+        await consumer.start()
+        records = 0
+        fresh: dict[int, dict[str, state_pb2.ExecutionState]] = {p: {} for p in wanted}
+        try:
+            tps = [TopicPartition(self.topic, p) for p in wanted]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            end = await consumer.end_offsets(tps)
+            pending = {tp for tp in tps if end[tp] > 0}
+            deadline = started + timeout_s
+            while pending:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"state restore of {self.topic} did not reach the end in {timeout_s:g}s")
+                batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
+                for tp, recs in batch.items():
+                    for rec in recs:
+                        records += 1
+                        key = rec.key.decode("utf-8", errors="replace") if rec.key else ""
+                        if rec.value is None:
+                            fresh[tp.partition].pop(key, None)
+                            continue
+                        try:
+                            fresh[tp.partition][key] = decode_state(rec.value)
+                        except ProtobufDecodeError:
+                            logger.error(
+                                "state record does not decode, skipped",
+                                extra={"partition": tp.partition, "offset": rec.offset, "executionId": key},
+                            )
+                for tp in list(pending):
+                    if await consumer.position(tp) >= end[tp]:
+                        pending.discard(tp)
+                await asyncio.sleep(0)
+        finally:
+            await consumer.stop()
+        self._partitions.update(fresh)
+        report = RestoreReport(len(wanted), records, sum(len(v) for v in fresh.values()), time.monotonic() - started)
+        logger.info(
+            "state restored",
+            extra={
+                "partitions": ",".join(map(str, wanted)),
+                "records": report.records,
+                "keys": report.keys,
+                "seconds": round(report.seconds, 3),
+            },
+        )
+        return report

@@ -1,0 +1,1 @@
+"""Sandbox drivers: one module per tier of the isolation ladder behind one contract."""

@@ -1,0 +1,133 @@
+"""The one small contract every sandbox driver implements (upstream ``sandbox/provisioner.ts``).
+
+Drivers expose three generic, idempotent operations keyed by (scope, id):
+``ensure`` (absent → provision, stopped → start, running → fast path),
+``deprovision`` (a missing sandbox is success) and ``probe``. The upstream
+per-scope method names are provided on top by :class:`ScopedMethods` so the
+surface reads like the original and a port of an upstream test maps 1:1.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+SandboxScope = Literal["session", "workflow", "connect"]
+SandboxProbeState = Literal["absent", "stopped", "running"]
+
+SCOPES: tuple[SandboxScope, ...] = ("session", "workflow", "connect")
+PROBE_STATES: tuple[SandboxProbeState, ...] = ("absent", "stopped", "running")
+
+#: Variables the drivers set themselves; operator runner lists may never name them
+#: (upstream ``SANDBOX_DRIVER_OWNED_RUNNER_ENV``).
+SANDBOX_DRIVER_OWNED_RUNNER_ENV: tuple[str, ...] = (
+    "MODE",
+    "STIGMER_TASK_QUEUE",
+    "STIGMER_TOKEN",
+    "STIGMER_BACKEND_ENDPOINT",
+    "STIGMER_MCP_PUBLIC_ENDPOINT",
+    "TEMPORAL_SERVICE_ADDRESS",
+    "TEMPORAL_NAMESPACE",
+    "WORKSPACE_ROOT_DIR",
+    "STIGMER_ATTACH_PORT",
+    "STIGMER_SANDBOX_NAME_FILE",
+)
+
+
+@dataclass(frozen=True)
+class SandboxEnvironment:
+    """Per-sandbox request facts (spec 4.1).
+
+    ``stigmer_token`` is excluded from ``repr`` so a stray log line or
+    exception message can never print it. ``""`` means launch token-less:
+    drivers must then not set ``STIGMER_TOKEN`` at all.
+    """
+
+    task_queue: str
+    stigmer_token: str = field(default="", repr=False)
+    caller_class: str = ""
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    """Driver configuration (upstream ``SandboxDriverConfig``); endpoints and images live here."""
+
+    backend_endpoint: str = ""
+    temporal_address: str = "localhost:7233"
+    runner_image: str = "ghcr.io/stigmer/runner:latest"
+    runner_command: str = "stigmer-runner"
+    kubernetes_namespace: str = "stigmer-sandboxes"
+    mcp_public_endpoint: str = ""
+    temporal_namespace: str = "default"
+    temporal_connection_env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    runner_env: Mapping[str, str] = field(default_factory=dict)
+    runner_secret_env: Mapping[str, str] = field(default_factory=dict, repr=False)
+    #: Driver-specific knobs (e.g. docker memory limit), by the driver's own names.
+    options: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ManagedSandbox:
+    """A runtime object found by its labels; what the reaper lists."""
+
+    scope: SandboxScope
+    sandbox_id: str
+    name: str
+    state: SandboxProbeState
+
+
+class SandboxError(Exception):
+    """A driver failure whose message is safe to record (never carries a secret)."""
+
+
+@runtime_checkable
+class SandboxProvisioner(Protocol):
+    """What the pod needs from a driver. Every method must be safe under concurrency."""
+
+    @property
+    def driver_name(self) -> str: ...
+
+    async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None: ...
+
+    async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None: ...
+
+    async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState: ...
+
+    async def list_managed(self) -> list[ManagedSandbox]: ...
+
+    async def close(self) -> None: ...
+
+
+class ScopedMethods:
+    """Upstream's per-scope method names, expressed over the generic contract."""
+
+    async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+        raise NotImplementedError
+
+    async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
+        raise NotImplementedError
+
+    async def ensure_session_sandbox(self, session_id: str, env: SandboxEnvironment) -> None:
+        await self.ensure("session", session_id, env)
+
+    async def deprovision_session_sandbox(self, session_id: str) -> None:
+        await self.deprovision("session", session_id)
+
+    async def ensure_workflow_sandbox(self, execution_id: str, env: SandboxEnvironment) -> None:
+        await self.ensure("workflow", execution_id, env)
+
+    async def deprovision_workflow_sandbox(self, execution_id: str) -> None:
+        await self.deprovision("workflow", execution_id)
+
+    async def create_connect_sandbox(self, request_id: str, env: SandboxEnvironment) -> str:
+        """One-shot; every built-in returns the request id as the sandbox id."""
+        await self.ensure("connect", request_id, env)
+        return request_id
+
+    async def deprovision_connect_sandbox(self, sandbox_id: str) -> None:
+        await self.deprovision("connect", sandbox_id)
+
+
+SandboxProvisionerFactory = Callable[[DriverConfig, logging.Logger], SandboxProvisioner]

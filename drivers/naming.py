@@ -1,0 +1,38 @@
+"""Deterministic sandbox object names and labels (upstream ``sandbox/naming.ts``).
+
+The name is the only key a driver needs: ensure/deprovision/probe are idempotent
+because the same (scope, id) always maps to the same runtime object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Final
+
+from drivers.contract import SandboxScope
+
+SCOPE_CODES: Final[dict[SandboxScope, str]] = {
+    "session": "ses",
+    "workflow": "wfx",
+    "connect": "mcp",
+}
+
+LABEL_MANAGED_BY: Final = "stigmer.ai/managed-by"
+LABEL_SCOPE: Final = "stigmer.ai/scope"
+LABEL_SANDBOX_ID: Final = "stigmer.ai/sandbox-id"
+MANAGED_BY_VALUE: Final = "stigmer-server"
+
+
+def sandbox_base_name(scope: SandboxScope, sandbox_id: str) -> str:
+    """``sbx-<code>-<first 12 hex of sha256(id)>``: DNS-1123 safe for any id alphabet."""
+    digest = hashlib.sha256(sandbox_id.encode("utf-8")).hexdigest()[:12]
+    return f"sbx-{SCOPE_CODES[scope]}-{digest}"
+
+
+def sandbox_labels(scope: SandboxScope, sandbox_id: str) -> dict[str, str]:
+    """The three labels every managed runtime object carries (the reap filter)."""
+    return {
+        LABEL_MANAGED_BY: MANAGED_BY_VALUE,
+        LABEL_SCOPE: scope,
+        LABEL_SANDBOX_ID: sandbox_id,
+    }
