@@ -103,10 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--verbose", action="store_true", help="also print the pod's logs")
     demo.set_defaults(func=_cmd_demo)
     produce = add("produce", "publish input events from a JSON or YAML file")
-    produce.add_argument("file", help="a list of {type: ExecutionCreated|PhaseChanged|SessionDeleted, ...fields}")
+    produce.add_argument(
+        "file", help="a list of {type: ExecutionCreated|PhaseChanged|SessionDeleted, ...fields}"
+    )
     produce.add_argument("--bootstrap", help="override KAFKA_BOOTSTRAP_SERVERS")
     produce.set_defaults(func=_cmd_produce)
-    tail = add("tail", "print decoded outcome (and optionally state, dead-letter, input) events as JSON lines")
+    tail = add(
+        "tail", "print decoded outcome (and optionally state, dead-letter, input) events as JSON lines"
+    )
     tail.add_argument("--bootstrap", help="override KAFKA_BOOTSTRAP_SERVERS")
     tail.add_argument("--state", action="store_true", help="include the compacted state topic")
     tail.add_argument("--dlq", action="store_true", help="include the dead-letter topic")

@@ -76,13 +76,16 @@ def compose(
         source=f"sandbox-lanes/{settings.pod_id}",
     )
     # The disabled lane emits no commands, so the base runner (which refuses) is never called.
-    runner: CommandRunner = CommandRunner() if provisioner is None else DriverExecutor(
-        provisioner,
-        creds,
-        logger,
-        ensure_timeout_s=settings.ensure_timeout_s,
-        teardown_timeout_s=settings.teardown_timeout_s,
+    runner: CommandRunner = (
+        CommandRunner()
+        if provisioner is None
+        else DriverExecutor(
+            provisioner,
+            creds,
+            logger,
+            ensure_timeout_s=settings.ensure_timeout_s,
+            teardown_timeout_s=settings.teardown_timeout_s,
+        )
     )
     processor = LaneProcessor(lane, runner, logger)
     return Composed(Pod(pod_config(settings), processor), provisioner, lane)
-

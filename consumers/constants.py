@@ -39,7 +39,9 @@ TERMINAL_WORKFLOW_PHASES: Final = frozenset(
 )
 
 # --- log lines (upstream wording) ---------------------------------------------------------------
-LOG_SESSION_ROUTING_NOT_PER_SESSION: Final = "Sandbox provisioning skipped: session routing is not per-session"
+LOG_SESSION_ROUTING_NOT_PER_SESSION: Final = (
+    "Sandbox provisioning skipped: session routing is not per-session"
+)
 LOG_SESSION_PROVISIONING_FAILED: Final = (
     "Session sandbox provisioning failed - execution will time out unless a runner polls its queue"
 )

@@ -90,7 +90,9 @@ async def mint_sandbox_token(
     if not credentials.is_enabled(TOKEN_TYPE_EXECUTION_SCOPED):
         logger.warning(LOG_TOKENLESS_LAUNCH, extra={"executionId": request.execution_id})
         return ""
-    return credentials.mint(TOKEN_TYPE_EXECUTION_SCOPED, request.execution_id, SANDBOX_TOKEN_TTL_SECONDS).token
+    return credentials.mint(
+        TOKEN_TYPE_EXECUTION_SCOPED, request.execution_id, SANDBOX_TOKEN_TTL_SECONDS
+    ).token
 
 
 def _b64url(data: bytes) -> str:
@@ -149,7 +151,12 @@ class ExecutionScopedRunnerCredentialProvider:
             raise ValueError(EXECUTION_ID_REQUIRED_MESSAGE)
         ttl = ttl_seconds if ttl_seconds > 0 else DEFAULT_TOKEN_TTL_SECONDS
         iat = int(self._now.now(dt.UTC).timestamp())
-        claims = {"token_type": TOKEN_TYPE_EXECUTION_SCOPED, "execution_id": binding, "iat": iat, "exp": iat + ttl}
+        claims = {
+            "token_type": TOKEN_TYPE_EXECUTION_SCOPED,
+            "execution_id": binding,
+            "iat": iat,
+            "exp": iat + ttl,
+        }
         body = _b64url(json.dumps(claims, separators=(",", ":")).encode())
         signing_input = f"{_JWT_HEADER}.{body}".encode()
         signature = _b64url(hmac.new(self._key, signing_input, hashlib.sha256).digest())

@@ -36,33 +36,53 @@ def scenario() -> list[inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged | i
     meta = new_meta
     return [
         inputs_pb2.ExecutionCreated(
-            meta=meta(source="demo"), kind=common_pb2.WORKFLOW_EXECUTION, execution_id="wfx_demo_1",
-            name="nightly-report", org="org-demo", workflow_execution_target=common_pb2.CLOUD,
-            caller_identity_id="ida_demo", caller_class="user",
+            meta=meta(source="demo"),
+            kind=common_pb2.WORKFLOW_EXECUTION,
+            execution_id="wfx_demo_1",
+            name="nightly-report",
+            org="org-demo",
+            workflow_execution_target=common_pb2.CLOUD,
+            caller_identity_id="ida_demo",
+            caller_class="user",
         ),
         inputs_pb2.PhaseChanged(
-            meta=meta(source="demo"), kind=common_pb2.WORKFLOW_EXECUTION, execution_id="wfx_demo_1",
-            previous_phase=common_pb2.EXECUTION_PENDING, new_phase=common_pb2.EXECUTION_IN_PROGRESS,
+            meta=meta(source="demo"),
+            kind=common_pb2.WORKFLOW_EXECUTION,
+            execution_id="wfx_demo_1",
+            previous_phase=common_pb2.EXECUTION_PENDING,
+            new_phase=common_pb2.EXECUTION_IN_PROGRESS,
         ),
         inputs_pb2.PhaseChanged(
-            meta=meta(source="demo"), kind=common_pb2.WORKFLOW_EXECUTION, execution_id="wfx_demo_1",
-            previous_phase=common_pb2.EXECUTION_IN_PROGRESS, new_phase=common_pb2.EXECUTION_COMPLETED,
+            meta=meta(source="demo"),
+            kind=common_pb2.WORKFLOW_EXECUTION,
+            execution_id="wfx_demo_1",
+            previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
+            new_phase=common_pb2.EXECUTION_COMPLETED,
         ),
         inputs_pb2.ExecutionCreated(
-            meta=meta(source="demo"), kind=common_pb2.AGENT_EXECUTION, execution_id="axr_demo_1",
-            name="summarise-inbox", org="org-demo", session_id="ses_demo_1",
-            session_execution_target=common_pb2.CLOUD, caller_identity_id="ida_demo", caller_class="user",
+            meta=meta(source="demo"),
+            kind=common_pb2.AGENT_EXECUTION,
+            execution_id="axr_demo_1",
+            name="summarise-inbox",
+            org="org-demo",
+            session_id="ses_demo_1",
+            session_execution_target=common_pb2.CLOUD,
+            caller_identity_id="ida_demo",
+            caller_class="user",
         ),
         inputs_pb2.SessionDeleted(meta=meta(source="demo"), session_id="ses_demo_1"),
     ]
 
 
-def _describe_input(event: inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged | inputs_pb2.SessionDeleted) -> str:
+def _describe_input(
+    event: inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged | inputs_pb2.SessionDeleted,
+) -> str:
     if isinstance(event, inputs_pb2.ExecutionCreated):
         kind = "workflow" if event.kind == common_pb2.WORKFLOW_EXECUTION else "agent"
         target = event.workflow_execution_target if kind == "workflow" else event.session_execution_target
         extra = f" session={event.session_id}" if event.session_id else ""
-        return f"execution-created     {event.execution_id} ({kind}, {common_pb2.ExecutionTarget.Name(target)}){extra}"
+        target_name = common_pb2.ExecutionTarget.Name(target)
+        return f"execution-created     {event.execution_id} ({kind}, {target_name}){extra}"
     if isinstance(event, inputs_pb2.PhaseChanged):
         prev = common_pb2.ExecutionPhase.Name(event.previous_phase).removeprefix("EXECUTION_")
         new = common_pb2.ExecutionPhase.Name(event.new_phase).removeprefix("EXECUTION_")
@@ -122,7 +142,10 @@ async def run_demo(out: TextIO = sys.stdout, *, verbose: bool = False) -> int:
         pod = composed.pod
         pod_task = asyncio.create_task(pod.run(), name="pod")
         outcomes = AIOKafkaConsumer(
-            settings.topics.outcomes, bootstrap_servers=broker.bootstrap, group_id=None, auto_offset_reset="earliest"
+            settings.topics.outcomes,
+            bootstrap_servers=broker.bootstrap,
+            group_id=None,
+            auto_offset_reset="earliest",
         )
         producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, linger_ms=0)
         try:

@@ -29,7 +29,7 @@ class AgentExecutionTemporalConfig:
 
 @dataclass(frozen=True)
 class WorkflowExecutionTemporalConfig:
-    """Upstream's positional ``(stigmerQueue, runnerQueue, workflowActivityRouting, defaultExecutionTarget)``."""
+    """Upstream's positional ``(stigmerQueue, runnerQueue, workflowActivityRouting, defaultTarget)``."""
 
     stigmer_queue: str = "workflow_execution_stigmer"
     runner_queue: str = "stigmer_runner"

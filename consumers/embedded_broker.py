@@ -84,7 +84,9 @@ class TansuBroker:
         last: Exception | None = None
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"tansu exited with {self._proc.returncode}: {self.log_path.read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"tansu exited with {self._proc.returncode}: {self.log_path.read_text()[-2000:]}"
+                )
             admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=2000)
             try:
                 await admin.start()

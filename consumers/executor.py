@@ -45,7 +45,9 @@ class DriverExecutor(CommandRunner):
                 self.provisioner.deprovision(command.scope, command.sandbox_id), self.teardown_timeout_s
             )
         except TimeoutError:
-            return CommandResult(ok=False, error=f"sandbox teardown timed out after {self.teardown_timeout_s:g}s")
+            return CommandResult(
+                ok=False, error=f"sandbox teardown timed out after {self.teardown_timeout_s:g}s"
+            )
         except Exception as exc:
             return CommandResult(ok=False, error=error_message(exc))
         return CommandResult(ok=True)

@@ -66,7 +66,11 @@ class HumanFormatter(logging.Formatter):
 
 
 def setup_logging(
-    level: str = "info", *, stream: TextIO | None = None, json_lines: bool | None = None, secrets: Iterable[str] = ()
+    level: str = "info",
+    *,
+    stream: TextIO | None = None,
+    json_lines: bool | None = None,
+    secrets: Iterable[str] = (),
 ) -> None:
     out = stream or sys.stderr
     use_json = (not out.isatty()) if json_lines is None else json_lines

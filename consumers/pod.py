@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
 from consumers.processor import LaneProcessor
 from consumers.rules import StateView
 from consumers.sink import BatchSink, Guarantee
 from consumers.state_store import StateStore
 from consumers.topology import Topics, ensure_topics
-from events.codec import DecodeError, EncodedRecord, decode, encode, record_key, type_name
+from events.codec import DecodeError, EncodedRecord, decode_input, encode, record_key, type_name
 from events.sandbox_lanes.v1 import state_pb2
 
 logger = logging.getLogger("sandbox_lanes.pod")
@@ -87,6 +88,7 @@ class Pod:
         self.store = StateStore(config.topics.state)
         self.stats = PodStats()
         self.batch_lock = asyncio.Lock()
+        self._restore_lock = asyncio.Lock()
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
         self._consumer: AIOKafkaConsumer | None = None
@@ -129,6 +131,8 @@ class Pod:
             heartbeat_interval_ms=cfg.heartbeat_interval_ms,
             max_poll_interval_ms=300_000,
             rebalance_timeout_ms=60_000,
+            # Range keeps partition N of every input topic on one member: co-partitioned with the state.
+            partition_assignment_strategy=(RangePartitionAssignor,),
         )
         await self._consumer.start()
         self._consumer.subscribe(list(cfg.topics.inputs), listener=_Rebalance(self))
@@ -159,16 +163,23 @@ class Pod:
             logger.info("pod stopped", extra={"podId": self.config.pod_id})
 
     async def restore(self, partitions: set[int]) -> None:
+        """Rebuild the state of ``partitions`` not yet held; no record of theirs is processed before."""
+        async with self._restore_lock:
+            await self._restore_missing(partitions)
+        self.ready.set()
+
+    async def _restore_missing(self, partitions: set[int]) -> None:
         missing = partitions - self.store.owned()
         if missing:
             report = await self.store.restore(
                 self.config.bootstrap,
                 missing,
-                isolation_level="read_committed" if self.config.guarantee == "exactly_once" else "read_uncommitted",
+                isolation_level="read_committed"
+                if self.config.guarantee == "exactly_once"
+                else "read_uncommitted",
             )
             self.stats.restored_keys += report.keys
             self.stats.restore_seconds += report.seconds
-        self.ready.set()
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -176,7 +187,9 @@ class Pod:
         assert self._consumer is not None
         while not self._stop.is_set():
             getmany = asyncio.ensure_future(
-                self._consumer.getmany(timeout_ms=self.config.poll_timeout_ms, max_records=self.config.max_batch)
+                self._consumer.getmany(
+                    timeout_ms=self.config.poll_timeout_ms, max_records=self.config.max_batch
+                )
             )
             stopper = asyncio.ensure_future(self._stop.wait())
             done, _ = await asyncio.wait({getmany, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -186,13 +199,20 @@ class Pod:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await getmany
                 break
-            batch: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = getmany.result()
+            fetched: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = getmany.result()
             self.stats.last_progress = time.monotonic()
+            # Records can arrive while the assignment callback is still restoring, or for a
+            # partition revoked meanwhile: keep only assigned partitions, restored first.
+            assigned = self._consumer.assignment()
+            batch = {tp: recs for tp, recs in fetched.items() if tp in assigned and recs}
             if batch:
+                await self.restore({tp.partition for tp in batch})
                 async with self.batch_lock:
                     await self._process_batch(batch)
 
-    async def _process_batch(self, batch: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> None:
+    async def _process_batch(
+        self, batch: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
+    ) -> None:
         assert self._sink is not None and self._consumer is not None
         overlay: dict[tuple[int, str], state_pb2.ExecutionState] = {}
         offsets: dict[TopicPartition, int] = {}
@@ -227,14 +247,16 @@ class Pod:
         assert self._sink is not None
         topics = self.config.topics
         try:
-            event = decode(rec.key, rec.value, rec.headers)
+            event = decode_input(rec.key, rec.value, rec.headers)
         except DecodeError as exc:
             await self._dead_letter(rec, exc.reason)
             return
         self.stats.consumed[type_name(event)] += 1
         key = record_key(event)
         slot = (rec.partition, key)
-        stored = overlay.get(slot) or self.store.get(rec.partition, key)
+        stored = overlay.get(slot)
+        if stored is None:
+            stored = self.store.get(rec.partition, key)
         try:
             processed = await self.processor.process(event, StateView(stored))
         except Exception as exc:  # a bug in the rules must not stop the pod: park the record
@@ -274,5 +296,6 @@ class Pod:
             ("dlq_pod", self.config.pod_id.encode()),
         ]
         await self._sink.send(
-            self.config.topics.dead_letter, EncodedRecord(key=rec.key or b"", value=rec.value or b"", headers=headers)
+            self.config.topics.dead_letter,
+            EncodedRecord(key=rec.key or b"", value=rec.value or b"", headers=headers),
         )

@@ -259,7 +259,9 @@ def _decide_phase_changed(
         return Decision(
             event=event,
             state=None,
-            reject=f"phase-changed for unknown execution '{event.execution_id}' (no execution-created applied)",
+            reject=(
+                f"phase-changed for unknown execution '{event.execution_id}' (no execution-created applied)"
+            ),
         )
     if current.kind != event.kind:
         return Decision(
@@ -289,7 +291,9 @@ def _decide_session_deleted(
     event: inputs_pb2.SessionDeleted, current: state_pb2.ExecutionState | None
 ) -> Decision:
     state = _applied(current, event.session_id, event)
-    command = Deprovision(scope="session", sandbox_id=event.session_id, phase=common_pb2.EXECUTION_PHASE_UNSPECIFIED)
+    command = Deprovision(
+        scope="session", sandbox_id=event.session_id, phase=common_pb2.EXECUTION_PHASE_UNSPECIFIED
+    )
     return Decision(event=event, state=state, commands=(command,))
 
 
@@ -314,7 +318,9 @@ def complete(decision: Decision, results: Sequence[CommandResult], config: LaneC
     return Outcome(state=state, outputs=tuple(outputs), logs=tuple(logs))
 
 
-def sandbox_ref(config: LaneConfig, scope: SandboxScope, sandbox_id: str, task_queue: str = "") -> common_pb2.SandboxRef:
+def sandbox_ref(
+    config: LaneConfig, scope: SandboxScope, sandbox_id: str, task_queue: str = ""
+) -> common_pb2.SandboxRef:
     return common_pb2.SandboxRef(
         scope=_SCOPE_ENUM[scope],  # type: ignore[arg-type]
         sandbox_id=sandbox_id,
@@ -380,7 +386,13 @@ def _complete_ensure(
     )
     if command.critical:
         failed.message = WORKFLOW_SANDBOX_FAILED_MESSAGE
-        logs = [LogIntent("error", LOG_WORKFLOW_PROVISIONING_FAILED, {"executionId": execution_id, "error": result.error})]
+        logs = [
+            LogIntent(
+                "error",
+                LOG_WORKFLOW_PROVISIONING_FAILED,
+                {"executionId": execution_id, "error": result.error},
+            )
+        ]
     else:
         # The pre-stamp: first non-empty status.error wins; the phase is never touched.
         stamp = SANDBOX_PROVISIONING_FAILED_PREFIX + result.error
@@ -418,7 +430,9 @@ def _complete_deprovision(
         logs = []
         if command.scope == "workflow":
             phase = common_pb2.ExecutionPhase.Name(command.phase)  # type: ignore[arg-type]
-            logs.append(LogIntent("info", LOG_WORKFLOW_DEPROVISIONED, {"executionId": execution_id, "phase": phase}))
+            logs.append(
+                LogIntent("info", LOG_WORKFLOW_DEPROVISIONED, {"executionId": execution_id, "phase": phase})
+            )
         return done, logs
     failed = outcomes_pb2.SandboxTeardownFailed(
         meta=_meta(event, "SandboxTeardownFailed", command.scope, config),
@@ -429,7 +443,11 @@ def _complete_deprovision(
     )
     _record(state, ref, state_pb2.SANDBOX_TEARDOWN_FAILED, result.error, failed.meta.event_id)
     if command.scope == "workflow":
-        log = LogIntent("error", LOG_WORKFLOW_DEPROVISION_FAILED, {"executionId": execution_id, "error": result.error})
+        log = LogIntent(
+            "error", LOG_WORKFLOW_DEPROVISION_FAILED, {"executionId": execution_id, "error": result.error}
+        )
     else:
-        log = LogIntent("error", LOG_SESSION_DEPROVISION_FAILED, {"sessionId": command.sandbox_id, "error": result.error})
+        log = LogIntent(
+            "error", LOG_SESSION_DEPROVISION_FAILED, {"sessionId": command.sandbox_id, "error": result.error}
+        )
     return failed, [log]

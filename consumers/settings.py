@@ -42,9 +42,13 @@ class Setting:
 #: Every knob, in the order the README's config table lists them.
 SETTINGS: tuple[Setting, ...] = (
     Setting("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092", "Kafka bootstrap servers"),
-    Setting("SANDBOX_LANES_GROUP_ID", "sandbox-lanes", "consumer group id (also the transactional id prefix)"),
-    Setting("SANDBOX_LANES_POD_ID", "", "this instance's id (default: hostname); part of the transactional id"),
-    Setting("SANDBOX_LANES_PROCESSING_GUARANTEE", "exactly_once", "exactly_once | at_least_once"),
+    Setting(
+        "SANDBOX_LANES_GROUP_ID", "sandbox-lanes", "consumer group id (also the transactional id prefix)"
+    ),
+    Setting(
+        "SANDBOX_LANES_POD_ID", "", "this instance's id (default: hostname); part of the transactional id"
+    ),
+    Setting("SANDBOX_LANES_PROCESSING_GUARANTEE", "exactly_once", "exactly_once or at_least_once"),
     Setting("SANDBOX_LANES_SEQUENTIAL_PRODUCE", "false", "one record per produce request (needed on Tansu)"),
     Setting("SANDBOX_LANES_PARTITIONS", "3", "partitions of topics the pod creates"),
     Setting("SANDBOX_LANES_REPLICATION", "1", "replication factor of topics the pod creates"),
@@ -53,29 +57,53 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SANDBOX_LANES_TOPIC_PHASE_CHANGED", "phase-changed", "input: PhaseChanged"),
     Setting("SANDBOX_LANES_TOPIC_SESSION_DELETED", "session-deleted", "input: SessionDeleted"),
     Setting("SANDBOX_LANES_TOPIC_OUTCOMES", "sandbox-outcomes", "output: Sandbox* outcome events"),
-    Setting("SANDBOX_LANES_TOPIC_STATE", "sandbox-lanes-state", "compacted execution state (key = execution id)"),
+    Setting(
+        "SANDBOX_LANES_TOPIC_STATE", "sandbox-lanes-state", "compacted execution state (key = execution id)"
+    ),
     Setting("SANDBOX_LANES_TOPIC_DLQ", "sandbox-lanes-dlq", "dead letters (reason in header dlq_reason)"),
     Setting("SANDBOX_LANES_SESSION_TIMEOUT_MS", "10000", "consumer group session timeout"),
     Setting("SANDBOX_LANES_SHUTDOWN_TIMEOUT_S", "30", "bound on graceful shutdown after SIGTERM"),
     Setting("SANDBOX_LANES_ENSURE_TIMEOUT_S", "120", "bound on one driver ensure"),
     Setting("SANDBOX_LANES_TEARDOWN_TIMEOUT_S", "60", "bound on one driver teardown"),
     Setting("SANDBOX_PROVISIONER_TYPE", "", "driver: '' (lane disabled), local-process, docker, kubernetes"),
-    Setting("STIGMER_ACTIVITY_ROUTING", ROUTING_GLOBAL, "agent routing: global | session"),
-    Setting("STIGMER_DEFAULT_EXECUTION_TARGET", DEFAULT_EXECUTION_TARGET_LOCAL, "UNSPECIFIED session target: local | cloud"),
-    Setting("STIGMER_WORKFLOW_ACTIVITY_ROUTING", WORKFLOW_ROUTING_GLOBAL, "workflow routing: global | execution"),
-    Setting("STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET", DEFAULT_EXECUTION_TARGET_LOCAL, "UNSPECIFIED workflow target"),
+    Setting("STIGMER_ACTIVITY_ROUTING", ROUTING_GLOBAL, "agent routing: global or session"),
+    Setting(
+        "STIGMER_DEFAULT_EXECUTION_TARGET",
+        DEFAULT_EXECUTION_TARGET_LOCAL,
+        "UNSPECIFIED session target: local or cloud",
+    ),
+    Setting(
+        "STIGMER_WORKFLOW_ACTIVITY_ROUTING", WORKFLOW_ROUTING_GLOBAL, "workflow routing: global or execution"
+    ),
+    Setting(
+        "STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET",
+        DEFAULT_EXECUTION_TARGET_LOCAL,
+        "UNSPECIFIED workflow target",
+    ),
     Setting("TEMPORAL_AGENT_EXECUTION_RUNNER_TASK_QUEUE", "stigmer_runner", "agent global runner queue"),
-    Setting("TEMPORAL_WORKFLOW_EXECUTION_RUNNER_TASK_QUEUE", "stigmer_runner", "workflow global runner queue"),
+    Setting(
+        "TEMPORAL_WORKFLOW_EXECUTION_RUNNER_TASK_QUEUE", "stigmer_runner", "workflow global runner queue"
+    ),
     Setting("STIGMER_SANDBOX_BACKEND_ENDPOINT", "", "server URL as reachable from inside a sandbox"),
-    Setting("STIGMER_SANDBOX_TEMPORAL_ADDRESS", "", "Temporal host:port from inside a sandbox (→ TEMPORAL_HOST_PORT → localhost:7233)"),
+    Setting(
+        "STIGMER_SANDBOX_TEMPORAL_ADDRESS",
+        "",
+        "Temporal host:port from inside a sandbox (→ TEMPORAL_HOST_PORT → localhost:7233)",
+    ),
     Setting("STIGMER_SANDBOX_RUNNER_IMAGE", "ghcr.io/stigmer/runner:latest", "image for docker/kubernetes"),
     Setting("STIGMER_SANDBOX_RUNNER_COMMAND", "stigmer-runner", "executable for local-process"),
     Setting("STIGMER_SANDBOX_K8S_NAMESPACE", "stigmer-sandboxes", "the one shared sandbox namespace"),
     Setting("STIGMER_SANDBOX_MCP_PUBLIC_ENDPOINT", "", "public MCP address given to runners"),
-    Setting("STIGMER_SANDBOX_RUNNER_ENV", "", "comma-separated env names passed to runners as plain settings"),
-    Setting("STIGMER_SANDBOX_RUNNER_SECRETS", "", "comma-separated env names passed through the secret channel"),
+    Setting(
+        "STIGMER_SANDBOX_RUNNER_ENV", "", "comma-separated env names passed to runners as plain settings"
+    ),
+    Setting(
+        "STIGMER_SANDBOX_RUNNER_SECRETS", "", "comma-separated env names passed through the secret channel"
+    ),
     Setting("TEMPORAL_NAMESPACE", "default", "passed to runners as TEMPORAL_NAMESPACE"),
-    Setting("STIGMER_RUNNER_TOKEN_KEY", "", "base64 32-byte HS256 key; unset = token-less launches", secret=True),
+    Setting(
+        "STIGMER_RUNNER_TOKEN_KEY", "", "base64 32-byte HS256 key; unset = token-less launches", secret=True
+    ),
     Setting("SANDBOX_LANES_DRIVER_OPTIONS", "", "driver knobs as k=v,k=v (see the driver tables)"),
 )
 _BY_NAME = {s.env: s for s in SETTINGS}
@@ -197,7 +225,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(f"runner env names on both lists: {', '.join(both)}")
     driver = DriverConfig(
         backend_endpoint=_get(env, "STIGMER_SANDBOX_BACKEND_ENDPOINT"),
-        temporal_address=env.get("STIGMER_SANDBOX_TEMPORAL_ADDRESS") or env.get("TEMPORAL_HOST_PORT") or "localhost:7233",
+        temporal_address=env.get("STIGMER_SANDBOX_TEMPORAL_ADDRESS")
+        or env.get("TEMPORAL_HOST_PORT")
+        or "localhost:7233",
         runner_image=_get(env, "STIGMER_SANDBOX_RUNNER_IMAGE"),
         runner_command=_get(env, "STIGMER_SANDBOX_RUNNER_COMMAND"),
         kubernetes_namespace=_get(env, "STIGMER_SANDBOX_K8S_NAMESPACE"),

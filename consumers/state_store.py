@@ -89,7 +89,9 @@ class StateStore:
             deadline = started + timeout_s
             while pending:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"state restore of {self.topic} did not reach the end in {timeout_s:g}s")
+                    raise TimeoutError(
+                        f"state restore of {self.topic} did not reach the end in {timeout_s:g}s"
+                    )
                 batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
                 for tp, recs in batch.items():
                     for rec in recs:
@@ -112,7 +114,9 @@ class StateStore:
         finally:
             await consumer.stop()
         self._partitions.update(fresh)
-        report = RestoreReport(len(wanted), records, sum(len(v) for v in fresh.values()), time.monotonic() - started)
+        report = RestoreReport(
+            len(wanted), records, sum(len(v) for v in fresh.values()), time.monotonic() - started
+        )
         logger.info(
             "state restored",
             extra={

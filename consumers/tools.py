@@ -15,7 +15,17 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from google.protobuf.message import Message
 
 from consumers.topology import Topics
-from events.codec import ALL_TYPES, INPUT_TYPES, TYPE_PREFIX, DecodeError, decode, encode, from_dict, header, to_json
+from events.codec import (
+    ALL_TYPES,
+    INPUT_TYPES,
+    TYPE_PREFIX,
+    DecodeError,
+    decode,
+    encode,
+    from_dict,
+    header,
+    to_json,
+)
 from events.sandbox_lanes.v1 import inputs_pb2
 
 
@@ -56,20 +66,26 @@ def _input_names() -> Iterable[str]:
     return (name.removeprefix(TYPE_PREFIX) for name in INPUT_TYPES)
 
 
-async def produce(bootstrap: str, messages: list[Message], topics: Topics, *, source: str = "sandbox-lanes-cli") -> int:
+async def produce(
+    bootstrap: str, messages: list[Message], topics: Topics, *, source: str = "sandbox-lanes-cli"
+) -> int:
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
     await producer.start()
     try:
         for message in messages:
             record = encode(message, source=source)
             # One record per request: correct on every broker, Tansu included.
-            await producer.send_and_wait(topic_for(message, topics), record.value, key=record.key, headers=record.headers)
+            await producer.send_and_wait(
+                topic_for(message, topics), record.value, key=record.key, headers=record.headers
+            )
     finally:
         await producer.stop()
     return len(messages)
 
 
-def describe(topic: str, key: bytes | None, value: bytes | None, headers: Any, offset: int, partition: int) -> dict[str, Any]:
+def describe(
+    topic: str, key: bytes | None, value: bytes | None, headers: Any, offset: int, partition: int
+) -> dict[str, Any]:
     ce_type = header(headers, "ce_type") or ""
     entry: dict[str, Any] = {
         "topic": topic,

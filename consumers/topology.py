@@ -7,6 +7,7 @@ harness share these names and creation rules.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ class Topics:
 
     @property
     def co_partitioned(self) -> tuple[str, ...]:
-        """Inputs and the state topic: partition N of the state holds the keys of partition N of each input."""
+        """Inputs and state: partition N of the state holds the keys of partition N of each input."""
         return (*self.inputs, self.state)
 
     def all(self) -> tuple[str, ...]:
@@ -50,7 +51,9 @@ class TopologyError(RuntimeError):
     """The broker's topics cannot carry this topology (e.g. inputs not co-partitioned)."""
 
 
-async def ensure_topics(admin: AIOKafkaAdminClient, topics: Topics, partitions: int, replication: int) -> None:
+async def ensure_topics(
+    admin: AIOKafkaAdminClient, topics: Topics, partitions: int, replication: int
+) -> None:
     """Create missing topics, then check that inputs and state are co-partitioned."""
     existing = await _partition_counts(admin, topics.all())
     missing = [
@@ -64,10 +67,8 @@ async def ensure_topics(admin: AIOKafkaAdminClient, topics: Topics, partitions: 
         if name not in existing
     ]
     if missing:
-        try:
+        with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent pod created it first
             await admin.create_topics(missing)
-        except TopicAlreadyExistsError:
-            pass
         logger.info("topics created", extra={"topics": ",".join(t.name for t in missing)})
     counts = await _partition_counts(admin, topics.all())
     wanted = {name: counts.get(name) for name in topics.co_partitioned}

@@ -132,9 +132,7 @@ def encode(message: Message, *, source: str = "sandbox-lanes") -> EncodedRecord:
     meta = getattr(message, "meta", None)
     event_id = meta.event_id if meta is not None else ""
     occurred = meta.occurred_at.ToJsonString() if meta is not None and meta.HasField("occurred_at") else ""
-    key = (
-        message.execution_id if isinstance(message, state_pb2.ExecutionState) else record_key(message)
-    )
+    key = message.execution_id if isinstance(message, state_pb2.ExecutionState) else record_key(message)
     headers = [
         ("ce_specversion", CE_SPECVERSION.encode()),
         ("ce_type", ce_type.encode()),
@@ -158,14 +156,19 @@ def _check_enums(message: Message, descriptor: Descriptor, path: str = "") -> No
     for field in descriptor.fields:
         name = f"{path}{field.name}"
         if field.type == FieldDescriptor.TYPE_ENUM:
-            enum: EnumDescriptor = field.enum_type
+            enum: EnumDescriptor | None = field.enum_type
+            assert enum is not None
             values = getattr(message, field.name)
             for value in values if field.is_repeated else [values]:
                 if value not in enum.values_by_number:
                     raise DecodeError(f"unknown enum value {value} for field {name} ({enum.full_name})")
-        elif field.type == FieldDescriptor.TYPE_MESSAGE and not field.is_repeated:
-            if message.HasField(field.name):
-                _check_enums(getattr(message, field.name), field.message_type, f"{name}.")
+        elif (
+            field.type == FieldDescriptor.TYPE_MESSAGE
+            and not field.is_repeated
+            and field.message_type is not None
+            and message.HasField(field.name)
+        ):
+            _check_enums(getattr(message, field.name), field.message_type, f"{name}.")
 
 
 def decode(
@@ -191,7 +194,8 @@ def decode(
         message.ParseFromString(value)
     except (ProtobufDecodeError, RuntimeError, ValueError) as exc:
         raise DecodeError(f"payload does not decode as {ce_type}: {exc}") from exc
-    _check_enums(message, message.DESCRIPTOR)
+    descriptor: Descriptor = message.DESCRIPTOR  # type: ignore[assignment]  # upb's Descriptor is the same API
+    _check_enums(message, descriptor)
     if ce_type in INPUT_TYPES:
         _validate_input(message, key)
     return message
@@ -202,7 +206,9 @@ def _validate_input(message: Message, key: bytes | None) -> None:
     if not message.HasField("meta") or not meta.event_id:
         raise DecodeError("missing meta.event_id")
     if meta.schema_version > SCHEMA_VERSION:
-        raise DecodeError(f"unsupported schema_version {meta.schema_version} (this pod reads {SCHEMA_VERSION})")
+        raise DecodeError(
+            f"unsupported schema_version {meta.schema_version} (this pod reads {SCHEMA_VERSION})"
+        )
     record = record_key(message)
     if not record:
         field = "session_id" if isinstance(message, inputs_pb2.SessionDeleted) else "execution_id"
@@ -215,6 +221,17 @@ def _validate_input(message: Message, key: bytes | None) -> None:
         message.kind == common_pb2.EXECUTION_KIND_UNSPECIFIED
     ):
         raise DecodeError("missing kind (AGENT_EXECUTION or WORKFLOW_EXECUTION)")
+
+
+def decode_input(
+    key: bytes | None, value: bytes | None, headers: Iterable[tuple[str, bytes]] | None
+) -> InputEvent:
+    """:func:`decode` restricted to the input events, typed as such."""
+    message = decode(key, value, headers, allowed=INPUT_TYPES)
+    assert isinstance(
+        message, inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged | inputs_pb2.SessionDeleted
+    )
+    return message
 
 
 def decode_state(value: bytes) -> state_pb2.ExecutionState:

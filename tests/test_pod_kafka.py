@@ -1,0 +1,299 @@
+"""The pod end to end on a real Apache Kafka broker, with the real local-process driver.
+
+Real protobuf events go to real topics; assertions read the outcome topic, the
+compacted state topic and the dead-letter topic back, and check the runner
+processes in /proc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+from consumers.settings import load_settings
+from drivers.contract import SandboxEnvironment, SandboxScope
+from drivers.local_process import new_local_process_provisioner
+from events.codec import encode, new_meta
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
+from tests.pod_harness import (
+    PodProcess,
+    latest_states,
+    produce,
+    produce_raw,
+    read_topic,
+    running_pod,
+    unique_env,
+)
+from tests.proc_util import processes_under, runner_pids
+
+pytestmark = pytest.mark.kafka
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_runners(tmp_path: Path) -> Iterator[None]:
+    """Every runner a test starts is gone when it ends; a leak fails the test (and is cleaned up)."""
+    yield
+    PodProcess.kill_all()
+    leaked = processes_under(tmp_path)
+    for pid in leaked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert leaked == [], f"runner processes leaked: {leaked}"
+
+
+#: Ids are unique per run, so concurrent or earlier runs never see each other's processes.
+RUN = uuid.uuid4().hex[:8]
+
+
+def wf_created(
+    execution_id: str, target: int = common_pb2.CLOUD, event_id: str | None = None
+) -> inputs_pb2.ExecutionCreated:
+    return inputs_pb2.ExecutionCreated(
+        meta=new_meta(event_id=event_id),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id=execution_id,
+        workflow_execution_target=target,
+        caller_identity_id="ida_test",  # type: ignore[arg-type]
+    )
+
+
+def agent_created(
+    execution_id: str, session_id: str, target: int = common_pb2.CLOUD
+) -> inputs_pb2.ExecutionCreated:
+    return inputs_pb2.ExecutionCreated(
+        meta=new_meta(),
+        kind=common_pb2.AGENT_EXECUTION,
+        execution_id=execution_id,
+        session_id=session_id,
+        session_execution_target=target,
+        caller_identity_id="ida_test",  # type: ignore[arg-type]
+    )
+
+
+def wf_phase(execution_id: str, previous: int, new: int, error: str = "") -> inputs_pb2.PhaseChanged:
+    return inputs_pb2.PhaseChanged(
+        meta=new_meta(),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id=execution_id,
+        previous_phase=previous,
+        new_phase=new,
+        error=error,  # type: ignore[arg-type]
+    )
+
+
+def outcome_types(records: list) -> list[str]:  # type: ignore[type-arg]
+    return [type(r.message).__name__ for r in records]
+
+
+@pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
+async def test_end_to_end_both_lanes_with_real_runner_processes(
+    kafka_bootstrap: str, tmp_path: Path, guarantee: str
+) -> None:
+    env = unique_env(kafka_bootstrap, tmp_path, SANDBOX_LANES_PROCESSING_GUARANTEE=guarantee)
+    topics = load_settings(env).topics
+    async with running_pod(env):
+        await produce(kafka_bootstrap, env, wf_created(f"wfx_e2e_{RUN}"), agent_created(f"axr_e2e_{RUN}", f"ses_e2e_{RUN}"))
+        provisioned = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
+        assert sorted(outcome_types(provisioned)) == ["SandboxProvisioned", "SandboxProvisioned"]
+        by_scope = {r.message.sandbox.scope: r.message for r in provisioned}  # type: ignore[union-attr]
+        wf = by_scope[common_pb2.SANDBOX_SCOPE_WORKFLOW]
+        assert (wf.sandbox.task_queue, wf.sandbox.driver, wf.probe_state) == (
+            f"wfexec:wfx_e2e_{RUN}",
+            "local-process",
+            "running",
+        )
+        assert by_scope[common_pb2.SANDBOX_SCOPE_SESSION].sandbox.task_queue == f"session:ses_e2e_{RUN}"
+        assert len(runner_pids(f"wfexec:wfx_e2e_{RUN}")) == 1 and len(runner_pids(f"session:ses_e2e_{RUN}")) == 1
+
+        await produce(
+            kafka_bootstrap,
+            env,
+            wf_phase(f"wfx_e2e_{RUN}", common_pb2.EXECUTION_PENDING, common_pb2.EXECUTION_IN_PROGRESS),
+            wf_phase(f"wfx_e2e_{RUN}", common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_COMPLETED),
+            inputs_pb2.SessionDeleted(meta=new_meta(), session_id=f"ses_e2e_{RUN}"),
+        )
+        everything = await read_topic(kafka_bootstrap, topics.outcomes, at_least=4)
+        assert sorted(outcome_types(everything)) == [
+            "SandboxDeprovisioned",
+            "SandboxDeprovisioned",
+            "SandboxProvisioned",
+            "SandboxProvisioned",
+        ]
+        await asyncio.sleep(0.5)
+        assert runner_pids(f"wfexec:wfx_e2e_{RUN}") == [] and runner_pids(f"session:ses_e2e_{RUN}") == []
+
+    states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=5))
+    wf_state = states[f"wfx_e2e_{RUN}"]
+    assert wf_state.phase == common_pb2.EXECUTION_COMPLETED and wf_state.created
+    assert [s.lifecycle for s in wf_state.sandboxes] == [state_pb2.SANDBOX_DEPROVISIONED]
+    assert len(wf_state.applied_event_ids) == 3
+    assert states[f"axr_e2e_{RUN}"].sandboxes[0].lifecycle == state_pb2.SANDBOX_PROVISIONED
+    assert states[f"ses_e2e_{RUN}"].sandboxes[0].lifecycle == state_pb2.SANDBOX_DEPROVISIONED
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topics.state)])
+        entries = {e[0]: e[1] for e in described.resources[0][4]}
+        assert entries["cleanup.policy"] == "compact"
+    finally:
+        await admin.close()
+
+
+async def test_provisioning_failures_on_a_real_driver_prestamp_and_refuse(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """A runner command that does not exist: the session lane pre-stamps, the workflow lane refuses."""
+    env = unique_env(kafka_bootstrap, tmp_path, STIGMER_SANDBOX_RUNNER_COMMAND="/nonexistent/stigmer-runner")
+    topics = load_settings(env).topics
+    async with running_pod(env):
+        await produce(kafka_bootstrap, env, agent_created("axr_fail", "ses_fail"), wf_created("wfx_fail"))
+        failed = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
+        by_scope = {r.message.sandbox.scope: r.message for r in failed}  # type: ignore[union-attr]
+        session = by_scope[common_pb2.SANDBOX_SCOPE_SESSION]
+        workflow = by_scope[common_pb2.SANDBOX_SCOPE_WORKFLOW]
+        assert isinstance(session, outcomes_pb2.SandboxFailed) and not session.critical
+        assert session.message.startswith("Sandbox provisioning failed: ") and session.reason
+        assert isinstance(workflow, outcomes_pb2.SandboxFailed) and workflow.critical
+        assert workflow.code == common_pb2.STATUS_CODE_UNAVAILABLE
+        assert workflow.message == "failed to provision workflow sandbox"
+        # The pod kept going: a later event is still processed.
+        await produce(
+            kafka_bootstrap,
+            env,
+            wf_phase("wfx_fail", common_pb2.EXECUTION_PENDING, common_pb2.EXECUTION_FAILED),
+        )
+        assert len(await read_topic(kafka_bootstrap, topics.outcomes, at_least=3)) == 3
+    states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=3))
+    assert states["axr_fail"].status_error == session.message
+    assert states["axr_fail"].phase == common_pb2.EXECUTION_PENDING
+
+
+async def test_a_redelivered_input_changes_nothing(kafka_bootstrap: str, tmp_path: Path) -> None:
+    env = unique_env(kafka_bootstrap, tmp_path)
+    topics = load_settings(env).topics
+    real = new_local_process_provisioner(load_settings(env).driver, __import__("logging").getLogger("t"))
+    calls: list[str] = []
+
+    class Counting:
+        """The real driver, counting ensures."""
+
+        driver_name = "local-process"
+
+        async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+            calls.append(sandbox_id)
+            await real.ensure(scope, sandbox_id, env)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    created = wf_created(f"wfx_dup_{RUN}", event_id="fixed-event-id")
+    async with running_pod(env, provisioner=Counting()):  # type: ignore[arg-type]
+        await produce(kafka_bootstrap, env, created, created, created)
+        await produce(kafka_bootstrap, env, wf_created(f"wfx_dup_{RUN}"))  # a second create under a new id
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1, settle_s=2.0)
+    assert outcome_types(outcomes) == ["SandboxProvisioned"]
+    assert calls == [f"wfx_dup_{RUN}"]
+    await real.deprovision("workflow", f"wfx_dup_{RUN}")
+
+
+async def test_bad_input_goes_to_the_dead_letter_topic_with_its_reason_and_the_pod_keeps_going(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    env = unique_env(kafka_bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory")
+    topics = load_settings(env).topics
+    good = encode(wf_created("wfx_ok"))
+    headers = list(good.headers)
+    without_type = [h for h in headers if h[0] != "ce_type"]
+    unknown_type = [h if h[0] != "ce_type" else ("ce_type", b"sandbox_lanes.v1.Mystery") for h in headers]
+    async with running_pod(env) as composed:
+        await produce_raw(
+            kafka_bootstrap, topics.execution_created, b"\x08\xff\xff garbage", b"wfx_g", headers
+        )
+        await produce_raw(kafka_bootstrap, topics.execution_created, good.value, b"wfx_ok", unknown_type)
+        await produce_raw(kafka_bootstrap, topics.execution_created, good.value, None, headers)
+        await produce_raw(
+            kafka_bootstrap, topics.execution_created, good.value + b"\x10\x63", b"wfx_ok", headers
+        )
+        await produce_raw(kafka_bootstrap, topics.execution_created, good.value, b"wfx_ok", without_type)
+        await produce(
+            kafka_bootstrap,
+            env,
+            wf_phase("wfx_never", common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_COMPLETED),
+        )
+        await produce_raw(kafka_bootstrap, topics.execution_created, good.value, good.key, headers)
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
+        dead = await read_topic(kafka_bootstrap, topics.dead_letter, at_least=6)
+        assert composed.pod.stats.dead_lettered == 6
+    assert outcome_types(outcomes) == ["SandboxProvisioned"]
+    reasons = [r.headers["dlq_reason"] for r in dead]
+    assert len(reasons) == 6
+    expected = [
+        "payload does not decode",
+        "unknown event type 'sandbox_lanes.v1.Mystery'",
+        "missing record key",
+        "unknown enum value 99 for field kind",
+        "missing ce_type header",
+        "phase-changed for unknown execution 'wfx_never'",
+    ]
+    for reason, want in zip(sorted(reasons), sorted(expected), strict=True):
+        assert want in reason, (reason, want)
+    garbage = next(r for r in dead if "does not decode" in r.headers["dlq_reason"])
+    assert garbage.value == b"\x08\xff\xff garbage"  # nothing is lost: the original bytes are kept
+    assert (
+        garbage.headers["dlq_source_topic"] == topics.execution_created
+        and "dlq_source_offset" in garbage.headers
+    )
+
+
+async def test_a_killed_pod_restarts_recovers_state_from_the_compacted_topic_and_does_not_provision_twice(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    env = unique_env(kafka_bootstrap, tmp_path)
+    topics = load_settings(env).topics
+    created = wf_created(f"wfx_crash_{RUN}", event_id="crash-create")
+    first = PodProcess(env, tmp_path / "pod-1.log")
+    first.start()
+    await first.wait_for_log("state restored")
+    await produce(kafka_bootstrap, env, created)
+    provisioned = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
+    assert outcome_types(provisioned) == ["SandboxProvisioned"]
+    (runner,) = runner_pids(f"wfexec:wfx_crash_{RUN}")
+    first.kill9()  # no shutdown path at all
+
+    # The upstream producer retries the create; then the workflow runs to completion.
+    await produce(
+        kafka_bootstrap,
+        env,
+        created,
+        wf_phase(f"wfx_crash_{RUN}", common_pb2.EXECUTION_PENDING, common_pb2.EXECUTION_IN_PROGRESS),
+        wf_phase(f"wfx_crash_{RUN}", common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_COMPLETED),
+    )
+    second = PodProcess({**env, "SANDBOX_LANES_POD_ID": "pod-b"}, tmp_path / "pod-2.log")
+    second.start()
+    try:
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2, timeout_s=60)
+        assert outcome_types(outcomes) == ["SandboxProvisioned", "SandboxDeprovisioned"], (
+            first.log()[-4000:] + "\n----\n" + second.log()[-4000:]
+        )
+        await second.wait_for_log("duplicate input ignored")
+        assert '"keys": 1' in second.log() or '"keys": 1,' in second.log()
+        await asyncio.sleep(0.5)
+        assert runner_pids(f"wfexec:wfx_crash_{RUN}") == []  # the new pod found and ended the old pod's child
+        assert (
+            not Path(f"/proc/{runner}").exists() or "Z" in Path(f"/proc/{runner}/stat").read_text().split()[2]
+        )
+    finally:
+        code, seconds = second.terminate()
+    assert code == 0 and seconds < 30
+    dead = await read_topic(kafka_bootstrap, topics.dead_letter, settle_s=0.5, timeout_s=5)
+    assert dead == []

@@ -1,0 +1,203 @@
+"""The pure core beyond the seed file: idempotency, rejects, target resolution, output ids."""
+
+from __future__ import annotations
+
+from consumers.constants import (
+    SANDBOX_PROVISIONING_FAILED_PREFIX,
+    SANDBOX_TOKEN_TTL_SECONDS,
+    SESSION_QUEUE_PREFIX,
+    TOKEN_TYPE_EXECUTION_SCOPED,
+    WFEXEC_QUEUE_PREFIX,
+    WORKFLOW_SANDBOX_FAILED_MESSAGE,
+)
+from consumers.dispatch import (
+    AgentExecutionTemporalConfig,
+    WorkflowExecutionTemporalConfig,
+    resolve_activity_task_queue,
+    resolve_execution_target,
+    resolve_workflow_task_queue,
+)
+from consumers.rules import CommandResult, Deprovision, Ensure, LaneConfig, StateView, complete, decide
+from events.codec import new_meta
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
+from tests.lane_fakes import (
+    EXECUTION_ROUTING_CONFIG,
+    SESSION_ROUTING_CLOUD_DEFAULT,
+    FakeProvisioner,
+    MintingCredentials,
+    lane_processor,
+)
+
+CONFIG = LaneConfig(
+    enabled=True, agent=SESSION_ROUTING_CLOUD_DEFAULT, workflow=EXECUTION_ROUTING_CONFIG, driver_name="d"
+)
+
+
+def agent_created(event_id: str = "e1", target: int = common_pb2.CLOUD) -> inputs_pb2.ExecutionCreated:
+    return inputs_pb2.ExecutionCreated(
+        meta=new_meta(event_id=event_id),
+        kind=common_pb2.AGENT_EXECUTION,
+        execution_id="axr_1",
+        session_id="ses_1",
+        session_execution_target=target,  # type: ignore[arg-type]
+    )
+
+
+def test_upstream_constants_are_byte_identical() -> None:
+    assert SANDBOX_PROVISIONING_FAILED_PREFIX == "Sandbox provisioning failed: "
+    assert WORKFLOW_SANDBOX_FAILED_MESSAGE == "failed to provision workflow sandbox"
+    assert SESSION_QUEUE_PREFIX == "session:" and WFEXEC_QUEUE_PREFIX == "wfexec:"
+    assert TOKEN_TYPE_EXECUTION_SCOPED == "execution_scoped"
+    assert SANDBOX_TOKEN_TTL_SECONDS == 14400
+    assert (common_pb2.EXECUTION_COMPLETED, common_pb2.EXECUTION_FAILED) == (3, 4)
+    assert (common_pb2.EXECUTION_CANCELLED, common_pb2.EXECUTION_TERMINATED, common_pb2.EXECUTION_PAUSED) == (
+        5,
+        6,
+        7,
+    )
+    assert (common_pb2.EXECUTION_TARGET_UNSPECIFIED, common_pb2.LOCAL, common_pb2.CLOUD) == (0, 1, 2)
+
+
+def test_unspecified_target_resolves_with_the_configured_default_and_only_exact_cloud_is_cloud() -> None:
+    assert resolve_execution_target(common_pb2.EXECUTION_TARGET_UNSPECIFIED, "cloud") == common_pb2.CLOUD
+    assert resolve_execution_target(common_pb2.EXECUTION_TARGET_UNSPECIFIED, "local") == common_pb2.LOCAL
+    assert resolve_execution_target(common_pb2.EXECUTION_TARGET_UNSPECIFIED, "Cloud") == common_pb2.LOCAL
+    assert resolve_execution_target(common_pb2.EXECUTION_TARGET_UNSPECIFIED, "") == common_pb2.LOCAL
+    assert resolve_execution_target(common_pb2.LOCAL, "cloud") == common_pb2.LOCAL
+    assert resolve_execution_target(common_pb2.CLOUD, "local") == common_pb2.CLOUD
+
+
+def test_dispatch_queues() -> None:
+    session = AgentExecutionTemporalConfig(activity_routing="session")
+    assert resolve_activity_task_queue("ses_1", common_pb2.CLOUD, session).task_queue == "session:ses_1"
+    assert resolve_activity_task_queue("", common_pb2.CLOUD, session).task_queue == "stigmer_runner"
+    override = resolve_activity_task_queue("ses_1", common_pb2.CLOUD, session, override="wfexec:wfx_9")
+    assert (override.task_queue, override.execution_target) == ("wfexec:wfx_9", common_pb2.LOCAL)
+    execution = WorkflowExecutionTemporalConfig(workflow_activity_routing="execution")
+    # The TS port does not gate the queue on the target; the ensure does.
+    assert resolve_workflow_task_queue("wfx_1", common_pb2.LOCAL, execution).task_queue == "wfexec:wfx_1"
+    assert (
+        resolve_workflow_task_queue("wfx_1", common_pb2.CLOUD, WorkflowExecutionTemporalConfig()).task_queue
+        == "stigmer_runner"
+    )
+
+
+def test_unspecified_session_target_with_cloud_default_provisions() -> None:
+    decision = decide(agent_created(target=common_pb2.EXECUTION_TARGET_UNSPECIFIED), StateView(None), CONFIG)
+    assert [type(c) for c in decision.commands] == [Ensure]
+    local_default = LaneConfig(enabled=True, agent=AgentExecutionTemporalConfig(activity_routing="session"))
+    assert (
+        decide(
+            agent_created(target=common_pb2.EXECUTION_TARGET_UNSPECIFIED), StateView(None), local_default
+        ).commands
+        == ()
+    )
+
+
+def test_a_redelivered_event_is_a_duplicate_and_changes_nothing() -> None:
+    first = decide(agent_created("e1"), StateView(None), CONFIG)
+    assert first.state is not None and list(first.state.applied_event_ids) == ["e1"]
+    again = decide(agent_created("e1"), StateView(first.state), CONFIG)
+    assert again.duplicate and again.state is None and again.commands == ()
+
+
+def test_a_second_create_under_a_new_event_id_does_not_provision_again() -> None:
+    first = decide(agent_created("e1"), StateView(None), CONFIG)
+    second = decide(agent_created("e2"), StateView(first.state), CONFIG)
+    assert second.commands == () and not second.duplicate
+    assert second.state is not None and list(second.state.applied_event_ids) == ["e1", "e2"]
+
+
+def test_applied_ids_are_bounded() -> None:
+    state: state_pb2.ExecutionState | None = None
+    for i in range(100):
+        state = decide(agent_created(f"e{i}"), StateView(state), CONFIG).state
+    assert state is not None and len(state.applied_event_ids) == 32 and state.applied_event_ids[-1] == "e99"
+    assert state.applied_count == 100
+
+
+def test_phase_changed_for_an_unknown_execution_is_rejected_for_the_dead_letter_topic() -> None:
+    event = inputs_pb2.PhaseChanged(
+        meta=new_meta(),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id="wfx_x",
+        previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
+        new_phase=common_pb2.EXECUTION_COMPLETED,
+    )
+    decision = decide(event, StateView(None), CONFIG)
+    assert decision.reject is not None and "unknown execution 'wfx_x'" in decision.reject
+    agent_state = state_pb2.ExecutionState(
+        execution_id="wfx_x", kind=common_pb2.AGENT_EXECUTION, created=True
+    )
+    mismatch = decide(event, StateView(agent_state), CONFIG)
+    assert mismatch.reject is not None and "does not match" in mismatch.reject
+
+
+def test_agent_terminal_phase_does_not_tear_down_the_long_lived_session_sandbox() -> None:
+    state = decide(agent_created(), StateView(None), CONFIG).state
+    event = inputs_pb2.PhaseChanged(
+        meta=new_meta(),
+        kind=common_pb2.AGENT_EXECUTION,
+        execution_id="axr_1",
+        previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
+        new_phase=common_pb2.EXECUTION_COMPLETED,
+        error="boom",
+    )
+    decision = decide(event, StateView(state), CONFIG)
+    assert decision.commands == ()
+    assert decision.state is not None and decision.state.phase == common_pb2.EXECUTION_COMPLETED
+    assert decision.state.status_error == "boom"
+
+
+def test_output_ids_are_deterministic_per_input_event() -> None:
+    decision = decide(agent_created("same-id"), StateView(None), CONFIG)
+    ok = CommandResult(ok=True, probe_state="running", token_minted=True)
+    a = complete(decision, [ok], CONFIG).outputs[0]
+    b = complete(decide(agent_created("same-id"), StateView(None), CONFIG), [ok], CONFIG).outputs[0]
+    c = complete(decide(agent_created("other-id"), StateView(None), CONFIG), [ok], CONFIG).outputs[0]
+    assert a.meta.event_id == b.meta.event_id != c.meta.event_id
+    assert a.meta.causation_id == "same-id"
+    assert isinstance(a, outcomes_pb2.SandboxProvisioned)
+    assert a.sandbox.name.startswith("sbx-ses-") and a.sandbox.driver == "d"
+
+
+def test_decide_is_pure_the_stored_state_is_never_mutated() -> None:
+    stored = decide(agent_created("e1"), StateView(None), CONFIG).state
+    assert stored is not None
+    snapshot = stored.SerializeToString()
+    decision = decide(agent_created("e2"), StateView(stored), CONFIG)
+    complete(decision, [], CONFIG)
+    assert stored.SerializeToString() == snapshot
+
+
+def test_workflow_terminal_deprovision_command_and_success_outcome() -> None:
+    created = inputs_pb2.ExecutionCreated(
+        meta=new_meta(),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id="wfx_1",
+        workflow_execution_target=common_pb2.CLOUD,
+    )
+    state = decide(created, StateView(None), CONFIG).state
+    event = inputs_pb2.PhaseChanged(
+        meta=new_meta(),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id="wfx_1",
+        previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
+        new_phase=common_pb2.EXECUTION_CANCELLED,
+    )
+    decision = decide(event, StateView(state), CONFIG)
+    assert decision.commands == (Deprovision("workflow", "wfx_1", common_pb2.EXECUTION_CANCELLED),)
+    outcome = complete(decision, [CommandResult(ok=True)], CONFIG)
+    (done,) = outcome.outputs
+    assert (
+        isinstance(done, outcomes_pb2.SandboxDeprovisioned) and done.phase == common_pb2.EXECUTION_CANCELLED
+    )
+    assert [log.message for log in outcome.logs] == ["Workflow sandbox deprovisioned on terminal phase"]
+    assert outcome.logs[0].fields == {"executionId": "wfx_1", "phase": "EXECUTION_CANCELLED"}
+
+
+async def test_default_mint_binds_the_agent_execution_id_on_the_execution_scoped_lane_for_4h() -> None:
+    credentials = MintingCredentials()
+    provisioner = FakeProvisioner()
+    await lane_processor(provisioner, credentials).process(agent_created(), StateView(None))
+    assert credentials.mints == [("execution_scoped", "axr_1", 14400)]
