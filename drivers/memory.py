@@ -55,7 +55,9 @@ class MemoryProvisioner(ScopedMethods):
 
     async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
         self.calls.append(
-            RecordedCall("ensure", scope, sandbox_id, env.task_queue, env.stigmer_token != "", env.caller_class)
+            RecordedCall(
+                "ensure", scope, sandbox_id, env.task_queue, env.stigmer_token != "", env.caller_class
+            )
         )
         if self.ensure_failure_rate and self._rng.random() < self.ensure_failure_rate:
             raise SandboxError("injected ensure failure")

@@ -40,9 +40,7 @@ def extension_factories() -> dict[str, str]:
     found: dict[str, str] = {}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in BUILT_IN_SANDBOX_PROVISIONER_TYPES:
-            raise ValueError(
-                f"sandbox provisioner extension may not register the built-in name '{ep.name}'"
-            )
+            raise ValueError(f"sandbox provisioner extension may not register the built-in name '{ep.name}'")
         found[ep.name] = ep.value
     return found
 
@@ -71,9 +69,7 @@ def new_sandbox_provisioner(
     reserved = BUILT_IN_SANDBOX_PROVISIONER_TYPES if built_ins is None else built_ins
     for name in extensions or {}:
         if name in reserved:
-            raise ValueError(
-                f"sandbox provisioner extension may not register the built-in name '{name}'"
-            )
+            raise ValueError(f"sandbox provisioner extension may not register the built-in name '{name}'")
     if built_ins is not None and provisioner_type in built_ins:
         factory = built_ins[provisioner_type]
     elif built_ins is None and provisioner_type in BUILT_IN_SANDBOX_PROVISIONER_TYPES:
