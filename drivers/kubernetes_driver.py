@@ -1,0 +1,544 @@
+"""The ``kubernetes`` driver, tier 3 (upstream ``sandbox/kubernetes.ts``, Era C).
+
+One Deployment per sandbox, all in one namespace (``config.kubernetes_namespace``),
+through the official ``kubernetes`` Python client. The client is blocking, so every
+call runs in ``asyncio.to_thread``.
+
+Objects per sandbox (base name from :func:`drivers.naming.sandbox_base_name`), each
+carrying the three stigmer labels:
+
+* Secret ``<base>-env`` (Opaque): runner secrets, then the Temporal connection
+  settings, then ``STIGMER_TOKEN`` when a token was minted. It always exists (empty
+  when token-less) so cleanup is uniform.
+* PVC ``<base>-workspace`` for the persistent scopes (session, workflow) only;
+  connect sandboxes mount an ``emptyDir``.
+* Deployment ``<base>``: replicas 1, ``Recreate``, one ``runner`` container.
+
+State machine (spec 5.3): ``ensure`` reads the Deployment's ``spec.replicas``;
+absent → Secret, PVC, Deployment (in that order); 0 → scale to 1 through the
+``scale`` subresource with nothing re-applied; ≥1 → fast path (the pod keeps the
+token it booted with). ``deprovision`` deletes Deployment, Secret, PVC; a 404 is
+success. No readiness wait anywhere.
+
+How objects are written — decision (differs from upstream on purpose):
+
+* Secret and Deployment use **server-side apply** (``PATCH`` with content type
+  ``application/apply-patch+yaml``, ``fieldManager=sandbox-lanes``, ``force=true``).
+  The client's typed ``patch_*`` methods take ``_content_type`` (checked against
+  ``kubernetes`` 37), so no raw ``call_api`` is needed. Apply is one round trip,
+  creates or updates alike, is idempotent under racing ensures (two identical
+  applies both succeed; create-then-replace races into 409s), and leaves fields other
+  managers own alone. Upstream creates and replaces on 409.
+* The Secret is applied with base64 ``data`` rather than ``stringData``: apply tracks
+  ownership of ``data`` keys, but ``stringData`` is write-only and never owned, so a
+  key dropped from a later apply (say a token-less repair) would otherwise survive
+  with its stale value.
+* The PVC is **created, and kept on 409** (exactly upstream): a claim is never
+  replaced, the surviving workspace is the point of the repair arm, and claim specs
+  are largely immutable anyway.
+* Scaling uses a merge patch of the ``scale`` subresource (upstream reads and
+  replaces it, only because its client's patch defaulted to JSON-Patch).
+* Deployments are deleted with ``propagationPolicy=Background``.
+
+RBAC verbs the driver needs (see ``compose/kubernetes/role.yaml``): deployments
+get/list/create/patch/delete, deployments/scale patch, secrets create/patch/delete,
+persistentvolumeclaims create/delete. (Apply that creates an object is authorized
+as both ``patch`` and ``create``.)
+
+Every API failure becomes :class:`~drivers.contract.SandboxError` carrying the API
+server's own ``message`` (for example ``... is forbidden: User ... cannot ...`` or
+``exceeded quota: ...``), with any secret value scrubbed; the bearer token is never
+part of it.
+
+Client configuration: ``options["kubeconfig"]`` (+ optional
+``options["kubeconfig_context"]``) when set, else the in-cluster service account,
+else the default kubeconfig (``$KUBECONFIG`` / ``~/.kube/config``).
+
+Options (``config.options``): ``kubeconfig``, ``kubeconfig_context``,
+``storage_size`` (default ``10Gi``), ``storage_class`` (default: the cluster's),
+``cpu_request`` / ``memory_request`` / ``cpu_limit`` / ``memory_limit`` (defaults
+``500m`` / ``512Mi`` / ``2`` / ``2Gi``), ``request_timeout`` seconds (default 30).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TypeVar
+
+import urllib3
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from drivers.contract import (
+    SCOPES,
+    DriverConfig,
+    ManagedSandbox,
+    SandboxEnvironment,
+    SandboxError,
+    SandboxProbeState,
+    SandboxScope,
+    ScopedMethods,
+)
+from drivers.naming import (
+    LABEL_MANAGED_BY,
+    LABEL_SANDBOX_ID,
+    LABEL_SCOPE,
+    MANAGED_BY_VALUE,
+    sandbox_base_name,
+    sandbox_labels,
+)
+from drivers.runner_env import TOKEN_ENV, RunnerEnv, build_runner_env, scrub
+
+# The config loaders carry no annotations; bind them as Any for strict typing.
+_load_kube_config: Any = k8s_config.load_kube_config
+_load_incluster_config: Any = k8s_config.load_incluster_config
+
+DRIVER_NAME: Final = "kubernetes"
+FIELD_MANAGER: Final = "sandbox-lanes"
+APPLY_CONTENT_TYPE: Final = "application/apply-patch+yaml"
+MERGE_PATCH_CONTENT_TYPE: Final = "application/merge-patch+json"
+
+CONTAINER_NAME: Final = "runner"
+RUNNER_COMMAND: Final[tuple[str, ...]] = ("/runner/bin/start", "/runner/dist/main.js")
+WORKSPACE_DIR: Final = "/workspace"
+RUNNER_HOME: Final = "/root"
+#: Rendering order of the driver-owned plain values (upstream's manifest order).
+_PLAIN_ORDER: Final[tuple[str, ...]] = (
+    "MODE",
+    "STIGMER_TASK_QUEUE",
+    "STIGMER_BACKEND_ENDPOINT",
+    "TEMPORAL_SERVICE_ADDRESS",
+    "WORKSPACE_ROOT_DIR",
+    "TEMPORAL_NAMESPACE",
+    "HOME",
+    "STIGMER_MCP_PUBLIC_ENDPOINT",
+)
+WORKSPACE_VOLUME: Final = "workspace"
+TERMINATION_GRACE_SECONDS: Final = 600
+DEFAULT_STORAGE_SIZE: Final = "10Gi"
+DEFAULT_RESOURCES: Final[dict[str, str]] = {
+    "cpu_request": "500m",
+    "memory_request": "512Mi",
+    "cpu_limit": "2",
+    "memory_limit": "2Gi",
+}
+PERSISTENT_SCOPES: Final[frozenset[SandboxScope]] = frozenset({"session", "workflow"})
+MANAGED_SELECTOR: Final = f"{LABEL_MANAGED_BY}={MANAGED_BY_VALUE}"
+
+BACKEND_ENDPOINT_REQUIRED: Final = (
+    "sandbox provisioner 'kubernetes' requires STIGMER_SANDBOX_BACKEND_ENDPOINT"
+    " — a pod cannot reach the server on this process's localhost"
+)
+TEMPORAL_ADDRESS_REQUIRED: Final = (
+    "sandbox provisioner 'kubernetes' requires STIGMER_SANDBOX_TEMPORAL_ADDRESS (or TEMPORAL_HOST_PORT)"
+    " reachable from inside the cluster"
+)
+
+_T = TypeVar("_T")
+
+
+def secret_name(base: str) -> str:
+    return f"{base}-env"
+
+
+def pvc_name(base: str) -> str:
+    return f"{base}-workspace"
+
+
+# --------------------------------------------------------------------------- manifests (pure)
+
+
+def runner_env(config: DriverConfig, env: SandboxEnvironment) -> RunnerEnv:
+    """The shared runner env contract (``drivers.runner_env``), rooted at ``/workspace``."""
+    return build_runner_env(config, env, workspace_dir=WORKSPACE_DIR, home=RUNNER_HOME)
+
+
+def secret_manifest(
+    config: DriverConfig, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+) -> dict[str, Any]:
+    base = sandbox_base_name(scope, sandbox_id)
+    data = {
+        k: base64.b64encode(v.encode("utf-8")).decode("ascii")
+        for k, v in runner_env(config, env).secret.items()
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": secret_name(base),
+            "namespace": config.kubernetes_namespace,
+            "labels": sandbox_labels(scope, sandbox_id),
+        },
+        "type": "Opaque",
+        "data": data,
+    }
+
+
+def pvc_manifest(config: DriverConfig, scope: SandboxScope, sandbox_id: str) -> dict[str, Any]:
+    base = sandbox_base_name(scope, sandbox_id)
+    spec: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": config.options.get("storage_size") or DEFAULT_STORAGE_SIZE}},
+    }
+    storage_class = config.options.get("storage_class")
+    if storage_class:
+        spec["storageClassName"] = storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": pvc_name(base),
+            "namespace": config.kubernetes_namespace,
+            "labels": sandbox_labels(scope, sandbox_id),
+        },
+        "spec": spec,
+    }
+
+
+def _container_env(config: DriverConfig, base: str, env: SandboxEnvironment) -> list[dict[str, Any]]:
+    """Plain values by value (driver-owned first, then the operator's); secrets by secretKeyRef."""
+    contract = runner_env(config, env)
+    owned = [k for k in _PLAIN_ORDER if k in contract.plain]
+    operator = [k for k in contract.plain if k not in _PLAIN_ORDER]
+    out: list[dict[str, Any]] = [{"name": k, "value": contract.plain[k]} for k in (*owned, *operator)]
+    secret_keys = [TOKEN_ENV] if TOKEN_ENV in contract.secret else []
+    secret_keys += [k for k in contract.secret if k != TOKEN_ENV]
+    out.extend(
+        {"name": k, "valueFrom": {"secretKeyRef": {"name": secret_name(base), "key": k}}} for k in secret_keys
+    )
+    return out
+
+
+def deployment_manifest(
+    config: DriverConfig, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+) -> dict[str, Any]:
+    base = sandbox_base_name(scope, sandbox_id)
+    labels = sandbox_labels(scope, sandbox_id)
+    opts = {k: config.options.get(k) or default for k, default in DEFAULT_RESOURCES.items()}
+    volume: dict[str, Any] = (
+        {"name": WORKSPACE_VOLUME, "persistentVolumeClaim": {"claimName": pvc_name(base)}}
+        if scope in PERSISTENT_SCOPES
+        else {"name": WORKSPACE_VOLUME, "emptyDir": {}}
+    )
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": config.runner_image,
+        "command": list(RUNNER_COMMAND),
+        "workingDir": WORKSPACE_DIR,
+        "env": _container_env(config, base, env),
+        "resources": {
+            "requests": {"cpu": opts["cpu_request"], "memory": opts["memory_request"]},
+            "limits": {"cpu": opts["cpu_limit"], "memory": opts["memory_limit"]},
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsUser": 0,
+            "runAsGroup": 0,
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [{"name": WORKSPACE_VOLUME, "mountPath": WORKSPACE_DIR}],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": base, "namespace": config.kubernetes_namespace, "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {
+                "matchLabels": {LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_SANDBOX_ID: sandbox_id},
+            },
+            "template": {
+                "metadata": {"labels": dict(labels)},
+                "spec": {
+                    "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+                    "automountServiceAccountToken": False,
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [container],
+                    "volumes": [volume],
+                },
+            },
+        },
+    }
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def api_error_message(exc: ApiException) -> str:
+    """The API server's own ``message`` from a Status body, else the HTTP reason."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", "replace")
+    if isinstance(body, str) and body:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("message"), str) and parsed["message"]:
+            return str(parsed["message"])
+    reason = getattr(exc, "reason", None)
+    return str(reason) if reason else "no message"
+
+
+def _status(exc: ApiException) -> int:
+    status = getattr(exc, "status", None)
+    return int(status) if isinstance(status, int) else 0
+
+
+# --------------------------------------------------------------------------- the driver
+
+
+class KubernetesProvisioner(ScopedMethods):
+    """Deployment-per-sandbox driver. Safe under concurrency: every write is idempotent."""
+
+    #: Deployments per list request in :meth:`list_managed` (pages are followed).
+    list_page_size: int = 500
+
+    def __init__(self, config: DriverConfig, logger: logging.Logger, api_client: Any) -> None:
+        self._config = config
+        self._logger = logger
+        self._api_client = api_client
+        self._core = k8s.CoreV1Api(api_client)
+        self._apps = k8s.AppsV1Api(api_client)
+        self._ns = config.kubernetes_namespace
+        timeout = float(config.options.get("request_timeout") or 30)
+        self._timeout = timeout
+
+    @property
+    def driver_name(self) -> str:
+        return DRIVER_NAME
+
+    @property
+    def namespace(self) -> str:
+        return self._ns
+
+    # -- error mapping
+    def _redact(self, message: str, env: SandboxEnvironment | None = None) -> str:
+        """Scrub every secret value (and its base64 form) from a server or transport message."""
+        secrets = runner_env(self._config, env or SandboxEnvironment(task_queue="")).secret_values()
+        encoded = [base64.b64encode(v.encode("utf-8")).decode("ascii") for v in secrets]
+        return scrub(message, [*secrets, *encoded])
+
+    async def _call(
+        self,
+        action: str,
+        fn: Callable[..., _T],
+        *args: Any,
+        env: SandboxEnvironment | None = None,
+        tolerate: frozenset[int] = frozenset(),
+        **kwargs: Any,
+    ) -> _T | None:
+        """Run one blocking client call in a thread; map failures to SandboxError.
+
+        A status listed in ``tolerate`` returns ``None`` instead of raising.
+        """
+        kwargs.setdefault("_request_timeout", self._timeout)
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except ApiException as exc:
+            status = _status(exc)
+            if status in tolerate:
+                return None
+            message = self._redact(api_error_message(exc), env)
+            raise SandboxError(f"kubernetes {action} failed (HTTP {status}): {message}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            message = self._redact(f"{type(exc).__name__}: {exc}", env)
+            raise SandboxError(f"kubernetes {action} failed: {message}") from None
+
+    # -- gateway
+    async def deployment_replicas(self, name: str) -> int | None:
+        """``None`` on 404; ``spec.replicas`` (a missing value counts as 0)."""
+        dep = await self._call(
+            f"read Deployment {self._ns}/{name}",
+            self._apps.read_namespaced_deployment,
+            name,
+            self._ns,
+            tolerate=frozenset({404}),
+        )
+        if dep is None:
+            return None
+        replicas = dep.spec.replicas if dep.spec is not None else None
+        return int(replicas or 0)
+
+    async def _apply(self, kind: str, manifest: dict[str, Any], env: SandboxEnvironment) -> None:
+        name = manifest["metadata"]["name"]
+        fn = (
+            self._core.patch_namespaced_secret if kind == "Secret" else self._apps.patch_namespaced_deployment
+        )
+        await self._call(
+            f"apply {kind} {self._ns}/{name}",
+            fn,
+            name,
+            self._ns,
+            manifest,
+            env=env,
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type=APPLY_CONTENT_TYPE,
+        )
+
+    async def _apply_pvc(self, manifest: dict[str, Any]) -> bool:
+        """Create the claim; on 409 keep the existing one. True when created."""
+        name = manifest["metadata"]["name"]
+        created = await self._call(
+            f"create PersistentVolumeClaim {self._ns}/{name}",
+            self._core.create_namespaced_persistent_volume_claim,
+            self._ns,
+            manifest,
+            field_manager=FIELD_MANAGER,
+            tolerate=frozenset({409}),
+        )
+        return created is not None
+
+    async def _scale(self, name: str, replicas: int) -> bool:
+        """Merge-patch the scale subresource. False when the Deployment vanished (404)."""
+        done = await self._call(
+            f"scale Deployment {self._ns}/{name}",
+            self._apps.patch_namespaced_deployment_scale,
+            name,
+            self._ns,
+            {"spec": {"replicas": replicas}},
+            field_manager=FIELD_MANAGER,
+            _content_type=MERGE_PATCH_CONTENT_TYPE,
+            tolerate=frozenset({404}),
+        )
+        return done is not None
+
+    async def _delete(self, kind: str, name: str) -> None:
+        if kind == "Deployment":
+            fn: Callable[..., Any] = self._apps.delete_namespaced_deployment
+            extra: dict[str, Any] = {"propagation_policy": "Background"}
+        elif kind == "Secret":
+            fn, extra = self._core.delete_namespaced_secret, {}
+        else:
+            fn, extra = self._core.delete_namespaced_persistent_volume_claim, {}
+        await self._call(
+            f"delete {kind} {self._ns}/{name}", fn, name, self._ns, tolerate=frozenset({404}), **extra
+        )
+
+    # -- contract
+    async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+        base = sandbox_base_name(scope, sandbox_id)
+        replicas = await self.deployment_replicas(base)
+        if replicas is not None and replicas >= 1:
+            return  # fast path: nothing applied, the pod keeps the token it booted with
+        if replicas == 0 and await self._scale(base, 1):
+            self._logger.info(
+                "Kubernetes sandbox scaled up",
+                extra={"scope": scope, "sandbox_id": sandbox_id, "deployment": base},
+            )
+            return
+        await self._provision(scope, sandbox_id, env)
+
+    async def _provision(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+        base = sandbox_base_name(scope, sandbox_id)
+        await self._apply("Secret", secret_manifest(self._config, scope, sandbox_id, env), env)
+        if scope in PERSISTENT_SCOPES:
+            await self._apply_pvc(pvc_manifest(self._config, scope, sandbox_id))
+        await self._apply("Deployment", deployment_manifest(self._config, scope, sandbox_id, env), env)
+        self._logger.info(
+            "Kubernetes sandbox provisioned",
+            extra={
+                "scope": scope,
+                "sandbox_id": sandbox_id,
+                "deployment": base,
+                "task_queue": env.task_queue,
+            },
+        )
+
+    async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
+        base = sandbox_base_name(scope, sandbox_id)
+        await self._delete("Deployment", base)
+        await self._delete("Secret", secret_name(base))
+        if scope in PERSISTENT_SCOPES:
+            await self._delete("PersistentVolumeClaim", pvc_name(base))
+        self._logger.info(
+            "Kubernetes sandbox deprovisioned",
+            extra={"scope": scope, "sandbox_id": sandbox_id, "deployment": base},
+        )
+
+    async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:
+        replicas = await self.deployment_replicas(sandbox_base_name(scope, sandbox_id))
+        if replicas is None:
+            return "absent"
+        return "running" if replicas >= 1 else "stopped"
+
+    async def list_managed(self) -> list[ManagedSandbox]:
+        found: list[ManagedSandbox] = []
+        token: str | None = None
+        while True:
+            page = await self._call(
+                f"list Deployments in {self._ns}",
+                self._apps.list_namespaced_deployment,
+                self._ns,
+                label_selector=MANAGED_SELECTOR,
+                limit=self.list_page_size,
+                _continue=token,
+            )
+            assert page is not None
+            for dep in page.items or []:
+                if dep.metadata is None:
+                    continue
+                labels: Mapping[str, str] = dep.metadata.labels or {}
+                scope = labels.get(LABEL_SCOPE)
+                sandbox_id = labels.get(LABEL_SANDBOX_ID)
+                if scope not in SCOPES or not sandbox_id:
+                    continue
+                replicas = int((dep.spec.replicas if dep.spec is not None else 0) or 0)
+                state: SandboxProbeState = "running" if replicas >= 1 else "stopped"
+                found.append(ManagedSandbox(scope, sandbox_id, str(dep.metadata.name), state))
+            token = page.metadata._continue if page.metadata is not None else None
+            if not token:
+                break
+        return sorted(found, key=lambda m: (m.scope, m.sandbox_id))
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self._api_client.close)
+
+
+# --------------------------------------------------------------------------- factory
+
+
+def _boot_checks(config: DriverConfig) -> None:
+    if not config.backend_endpoint:
+        raise ValueError(BACKEND_ENDPOINT_REQUIRED)
+    if not config.temporal_address:
+        raise ValueError(TEMPORAL_ADDRESS_REQUIRED)
+
+
+def load_client_configuration(options: Mapping[str, str]) -> Any:
+    """``options["kubeconfig"]`` if set, else in-cluster, else the default kubeconfig."""
+    cfg = k8s.Configuration()
+    kubeconfig = options.get("kubeconfig")
+    context = options.get("kubeconfig_context") or None
+    try:
+        if kubeconfig:
+            _load_kube_config(config_file=kubeconfig, context=context, client_configuration=cfg)
+            return cfg
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            try:
+                _load_incluster_config(client_configuration=cfg)
+                return cfg
+            except ConfigException:
+                pass
+        _load_kube_config(context=context, client_configuration=cfg)
+        return cfg
+    except (ConfigException, OSError, ValueError) as exc:
+        raise ValueError(
+            f"sandbox provisioner '{DRIVER_NAME}': no usable Kubernetes client config: {exc}"
+        ) from None
+
+
+def new_kubernetes_provisioner(config: DriverConfig, logger: logging.Logger) -> KubernetesProvisioner:
+    _boot_checks(config)
+    cfg = load_client_configuration(config.options)
+    return KubernetesProvisioner(config, logger, k8s.ApiClient(cfg))
