@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Installs what sandbox-lanes needs on a fresh Debian machine, idempotently:
+#   - system packages (only when missing): dockerd (docker.io), etcd, busybox-static, openssl, Java, Maven, Go
+#   - a virtualenv at .venv with the project and its test dependencies
+# Usage: scripts/bootstrap.sh [--system] [--python]   (no flag = both)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_system=1; want_python=1
+if [[ $# -gt 0 ]]; then
+  want_system=0; want_python=0
+  for arg in "$@"; do
+    case "$arg" in
+      --system) want_system=1 ;;
+      --python) want_python=1 ;;
+      *) echo "unknown flag $arg" >&2; exit 2 ;;
+    esac
+  done
+fi
+
+log() { printf '[bootstrap] %s\n' "$*" >&2; }
+
+if [[ $want_system -eq 1 ]]; then
+  missing=()
+  command -v dockerd >/dev/null || missing+=(docker.io)
+  command -v etcd >/dev/null || missing+=(etcd-server)
+  [[ -x /bin/busybox ]] || missing+=(busybox-static)
+  command -v openssl >/dev/null || missing+=(openssl)
+  command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+  command -v mvn >/dev/null || missing+=(maven)
+  command -v go >/dev/null || [[ -x /usr/local/go/bin/go ]] || missing+=(golang-go)
+  if [[ ${#missing[@]} -gt 0 ]]; then
+    if [[ $(id -u) -ne 0 ]]; then
+      log "missing system packages: ${missing[*]} (run as root or install them)"; exit 1
+    fi
+    log "installing system packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    log "system packages present"
+  fi
+fi
+
+if [[ $want_python -eq 1 ]]; then
+  PY=${PYTHON:-python3}
+  if [[ ! -x .venv/bin/python ]]; then
+    log "creating .venv with $($PY --version)"
+    "$PY" -m venv .venv
+  fi
+  log "installing sandbox-lanes and its test dependencies into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q -e '.[test]'
+fi

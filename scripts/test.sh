@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The whole test suite from nothing: system packages, Python deps, Apache Kafka 4.4.0 (via Maven),
+# kube-apiserver (built from source via the Go module proxy), then pytest. The Kafka broker,
+# dockerd and kube-apiserver+etcd are started by pytest session fixtures and stopped at the end.
+# Caches live outside the repo, in ${SANDBOX_LANES_CACHE:-~/.cache/sandbox-lanes}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="/usr/local/go/bin:$PATH"
+
+scripts/bootstrap.sh
+echo "[test] fetching Apache Kafka 4.4.0 with Maven (cached)" >&2
+.venv/bin/python -m scripts.kafka_broker prepare
+echo "[test] building kube-apiserver from source (cached)" >&2
+.venv/bin/python -m scripts.kube_apiserver build
+echo "[test] lint and types" >&2
+.venv/bin/ruff check consumers events drivers scripts tests
+.venv/bin/mypy consumers events drivers
+echo "[test] pytest" >&2
+# A skipped test is a failure here (tests/conftest.py), and so is "no tests collected" (exit 5).
+SANDBOX_LANES_FORBID_SKIPS=1 exec .venv/bin/python -m pytest -ra "$@"

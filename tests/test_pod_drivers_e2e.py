@@ -1,0 +1,200 @@
+"""The pod end to end through real Kafka with the docker and kubernetes drivers on their real parts.
+
+execution-created → a real container / real API objects → terminal phase → gone; and an unreachable
+engine → the lanes' failure paths with the engine's error as the reason.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import uuid
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+from consumers.settings import load_settings
+from drivers.naming import LABEL_MANAGED_BY, LABEL_SANDBOX_ID, sandbox_base_name
+from events.codec import new_meta
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
+from scripts.dockerd import Dockerd
+from scripts.kube_apiserver import KubeApiServer
+from tests.pod_harness import produce, read_topic, running_pod, unique_env
+
+TOKEN_KEY = base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def created(execution_id: str, kind: int, **fields: Any) -> inputs_pb2.ExecutionCreated:
+    return inputs_pb2.ExecutionCreated(
+        meta=new_meta(),
+        kind=kind,
+        execution_id=execution_id,
+        caller_identity_id="ida_e2e",
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def completed(execution_id: str) -> inputs_pb2.PhaseChanged:
+    return inputs_pb2.PhaseChanged(
+        meta=new_meta(),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id=execution_id,
+        previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
+        new_phase=common_pb2.EXECUTION_COMPLETED,
+    )
+
+
+def driver_env(bootstrap: str, tmp: Path, driver: str, options: str, **extra: str) -> dict[str, str]:
+    return unique_env(
+        bootstrap,
+        tmp,
+        SANDBOX_PROVISIONER_TYPE=driver,
+        SANDBOX_LANES_DRIVER_OPTIONS=options,
+        STIGMER_SANDBOX_BACKEND_ENDPOINT="http://127.0.0.1:7234",
+        STIGMER_SANDBOX_TEMPORAL_ADDRESS="127.0.0.1:7233",
+        STIGMER_RUNNER_TOKEN_KEY=TOKEN_KEY,
+        **extra,
+    )
+
+
+@pytest.mark.kafka
+@pytest.mark.docker
+async def test_pod_with_the_docker_driver_runs_a_container_and_removes_it(
+    kafka_bootstrap: str, dockerd: Dockerd, docker_image: str, tmp_path: Path
+) -> None:
+    execution_id = f"wfx_dk_{uuid.uuid4().hex[:8]}"
+    env = driver_env(
+        kafka_bootstrap, tmp_path, "docker", f"docker_host={dockerd.socket_url},image={docker_image}"
+    )
+    topics = load_settings(env).topics
+    client = docker.DockerClient(base_url=dockerd.socket_url, version="auto")
+    name = sandbox_base_name("workflow", execution_id)
+    try:
+        async with running_pod(env):
+            await produce(
+                kafka_bootstrap,
+                env,
+                created(
+                    execution_id, common_pb2.WORKFLOW_EXECUTION, workflow_execution_target=common_pb2.CLOUD
+                ),
+            )
+            (provisioned,) = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
+            message = provisioned.message
+            assert isinstance(message, outcomes_pb2.SandboxProvisioned)
+            assert (message.sandbox.driver, message.sandbox.name, message.probe_state) == (
+                "docker",
+                name,
+                "running",
+            )
+            assert message.token_minted
+            container = client.containers.get(name)
+            assert container.status == "running"
+            assert (
+                container.labels[LABEL_SANDBOX_ID] == execution_id
+                and container.labels[LABEL_MANAGED_BY] == "stigmer-server"
+            )
+            token = next(
+                v.split("=", 1)[1] for v in container.attrs["Config"]["Env"] if v.startswith("STIGMER_TOKEN=")
+            )
+            assert token.count(".") == 2  # a real JWT reached the sandbox ...
+            assert token.encode() not in (provisioned.value or b"")  # ... and never the outcome event
+            assert token not in " ".join(container.attrs["Config"]["Cmd"] or []) + " ".join(
+                container.attrs["Args"] or []
+            )
+
+            await produce(kafka_bootstrap, env, completed(execution_id))
+            outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
+            assert isinstance(outcomes[-1].message, outcomes_pb2.SandboxDeprovisioned)
+            assert [c.name for c in client.containers.list(all=True, filters={"name": name})] == []
+    finally:
+        for c in client.containers.list(all=True, filters={"label": f"{LABEL_SANDBOX_ID}={execution_id}"}):
+            c.remove(force=True)
+        client.close()
+
+
+@pytest.mark.kafka
+async def test_an_unreachable_docker_engine_is_each_lanes_failure_path(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    env = driver_env(kafka_bootstrap, tmp_path, "docker", f"docker_host=unix://{tmp_path}/no-engine.sock")
+    topics = load_settings(env).topics
+    async with running_pod(env):
+        await produce(
+            kafka_bootstrap,
+            env,
+            created(
+                "wfx_noengine", common_pb2.WORKFLOW_EXECUTION, workflow_execution_target=common_pb2.CLOUD
+            ),
+            created(
+                "axr_noengine",
+                common_pb2.AGENT_EXECUTION,
+                session_id="ses_noengine",
+                session_execution_target=common_pb2.CLOUD,
+            ),
+        )
+        failures = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
+    by_id = {r.message.execution_id: r.message for r in failures}  # type: ignore[union-attr]
+    workflow, session = by_id["wfx_noengine"], by_id["axr_noengine"]
+    assert isinstance(workflow, outcomes_pb2.SandboxFailed) and isinstance(
+        session, outcomes_pb2.SandboxFailed
+    )
+    assert workflow.critical and workflow.message == "failed to provision workflow sandbox"
+    assert not session.critical and session.message == "Sandbox provisioning failed: " + session.reason
+    assert "no-engine.sock" in workflow.reason and "docker engine error" in workflow.reason
+
+
+@pytest.mark.kafka
+@pytest.mark.kubernetes
+async def test_pod_with_the_kubernetes_driver_creates_the_objects_and_removes_them(
+    kafka_bootstrap: str, kube_apiserver: KubeApiServer, kube_admin: Any, kube_namespace: str, tmp_path: Path
+) -> None:
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    execution_id = f"wfx_k8s_{uuid.uuid4().hex[:8]}"
+    env = driver_env(
+        kafka_bootstrap,
+        tmp_path,
+        "kubernetes",
+        f"kubeconfig={kube_apiserver.kubeconfig_path}",
+        STIGMER_SANDBOX_K8S_NAMESPACE=kube_namespace,
+    )
+    topics = load_settings(env).topics
+    apps = client.AppsV1Api(kube_admin)
+    core = client.CoreV1Api(kube_admin)
+    base = sandbox_base_name("workflow", execution_id)
+    async with running_pod(env):
+        await produce(
+            kafka_bootstrap,
+            env,
+            created(execution_id, common_pb2.WORKFLOW_EXECUTION, workflow_execution_target=common_pb2.CLOUD),
+        )
+        (provisioned,) = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
+        assert isinstance(provisioned.message, outcomes_pb2.SandboxProvisioned), provisioned.message
+        assert (
+            provisioned.message.sandbox.driver == "kubernetes"
+            and provisioned.message.probe_state == "running"
+        )
+        deployment = apps.read_namespaced_deployment(base, kube_namespace)
+        assert deployment.spec.strategy.type == "Recreate" and deployment.spec.replicas == 1
+        secret = core.read_namespaced_secret(f"{base}-env", kube_namespace)
+        assert "STIGMER_TOKEN" in (secret.data or {})
+        core.read_namespaced_persistent_volume_claim(f"{base}-workspace", kube_namespace)
+
+        await produce(kafka_bootstrap, env, completed(execution_id))
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
+        assert isinstance(outcomes[-1].message, outcomes_pb2.SandboxDeprovisioned)
+    for read in (
+        lambda: apps.read_namespaced_deployment(base, kube_namespace),
+        lambda: core.read_namespaced_secret(f"{base}-env", kube_namespace),
+    ):
+        with pytest.raises(ApiException) as gone:
+            read()
+        assert gone.value.status == 404
+    try:  # no controller-manager runs here, so a deleted claim may linger with its protection finalizer
+        pvc = core.read_namespaced_persistent_volume_claim(f"{base}-workspace", kube_namespace)
+        assert pvc.metadata.deletion_timestamp is not None
+    except ApiException as exc:
+        assert exc.status == 404
