@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from consumers.logs import setup_logging
@@ -84,6 +86,23 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Subcommands in their own modules; each has ``add_arguments(parser)`` and ``run(args) -> int``.
+MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("replay", "consumers.replay", "audit replay: re-derive every decision from the inputs and compare"),
+    ("reap", "consumers.reaper", "list (and with --apply remove) managed sandboxes whose execution is over"),
+    ("bench", "consumers.bench", "benchmarks against the plain aiokafka pipe ceiling"),
+)
+
+
+def _module_command(module_name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        module = importlib.import_module(module_name)
+        code: int = module.run(args)
+        return code
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sandbox-lanes",
@@ -120,6 +139,16 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--idle-timeout", type=float, default=5.0, help="stop after this many idle seconds")
     tail.add_argument("--max", type=int, default=None, help="stop after this many records")
     tail.set_defaults(func=_cmd_tail)
+    for name, module_name, help_text in MODULE_COMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # not built yet
+        command = add(name, help_text)
+        module.add_arguments(command)
+        command.set_defaults(func=_module_command(module_name))
     config = add("config", "configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
     show = config_sub.add_parser("show", help="print the effective configuration, secrets masked")

@@ -13,6 +13,7 @@ from consumers.constants import (
 )
 from consumers.credentials import ExecutionScopedRunnerCredentialProvider, RunnerCredentialProvider
 from consumers.executor import CommandRunner, DriverExecutor
+from consumers.metrics import PodMetrics
 from consumers.pod import Pod, PodConfig
 from consumers.processor import LaneProcessor
 from consumers.rules import LaneConfig
@@ -26,6 +27,7 @@ class Composed:
     pod: Pod
     provisioner: SandboxProvisioner | None
     lane: LaneConfig
+    metrics: PodMetrics
 
 
 def build_provisioner(settings: Settings, logger: logging.Logger) -> SandboxProvisioner | None:
@@ -67,6 +69,7 @@ def compose(
     """Build the pod. ``provisioner``/``credentials`` override the configured ones (tests, chaos)."""
     if provisioner is None:
         provisioner = build_provisioner(settings, logger)
+    metrics = PodMetrics()
     creds = credentials or ExecutionScopedRunnerCredentialProvider.from_env(dict(settings.raw))
     lane = LaneConfig(
         enabled=provisioner is not None,
@@ -85,7 +88,8 @@ def compose(
             logger,
             ensure_timeout_s=settings.ensure_timeout_s,
             teardown_timeout_s=settings.teardown_timeout_s,
+            metrics=metrics,
         )
     )
     processor = LaneProcessor(lane, runner, logger)
-    return Composed(Pod(pod_config(settings), processor), provisioner, lane)
+    return Composed(Pod(pod_config(settings), processor, metrics), provisioner, lane, metrics)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 from consumers.credentials import RunnerCredentialProvider, mint_sandbox_token
+from consumers.metrics import PodMetrics
 from consumers.rules import Command, CommandResult, Ensure
 from drivers.contract import SandboxEnvironment, SandboxProvisioner
 
@@ -36,8 +38,19 @@ class DriverExecutor(CommandRunner):
     logger: logging.Logger
     ensure_timeout_s: float = 120.0
     teardown_timeout_s: float = 60.0
+    metrics: PodMetrics | None = None
 
     async def run(self, command: Command) -> CommandResult:
+        started = time.monotonic()
+        result = await self._run(command)
+        if self.metrics is not None:
+            operation = "provisioning" if isinstance(command, Ensure) else "teardown"
+            self.metrics.driver_seconds.labels(
+                self.provisioner.driver_name, operation, "ok" if result.ok else "error"
+            ).observe(time.monotonic() - started)
+        return result
+
+    async def _run(self, command: Command) -> CommandResult:
         if isinstance(command, Ensure):
             return await self._ensure(command)
         try:

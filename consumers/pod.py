@@ -22,6 +22,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
+from consumers.metrics import PodMetrics
 from consumers.processor import LaneProcessor
 from consumers.rules import StateView
 from consumers.sink import BatchSink, Guarantee
@@ -81,12 +82,30 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._pod.restore({tp.partition for tp in assigned})
 
 
+@dataclass(frozen=True)
+class Health:
+    """What /healthz and /readyz report."""
+
+    alive: bool
+    ready: bool
+    restoring: bool
+    assigned_partitions: int
+    seconds_since_loop: float
+    detail: str
+
+
 class Pod:
-    def __init__(self, config: PodConfig, processor: LaneProcessor) -> None:
+    def __init__(
+        self, config: PodConfig, processor: LaneProcessor, metrics: PodMetrics | None = None
+    ) -> None:
         self.config = config
         self.processor = processor
+        self.metrics = metrics or PodMetrics()
         self.store = StateStore(config.topics.state)
         self.stats = PodStats()
+        self._last_loop = time.monotonic()
+        self._restoring = False
+        self._running = False
         self.batch_lock = asyncio.Lock()
         self._restore_lock = asyncio.Lock()
         self.ready = asyncio.Event()
@@ -156,17 +175,42 @@ class Pod:
     async def run(self) -> None:
         """Start, process until stop is requested, then finish the batch in flight and close."""
         await self.start()
+        self._running = True
         try:
             await self._loop()
         finally:
+            self._running = False
             await asyncio.wait_for(self.stop(), self.config.shutdown_timeout_s)
             logger.info("pod stopped", extra={"podId": self.config.pod_id})
 
     async def restore(self, partitions: set[int]) -> None:
         """Rebuild the state of ``partitions`` not yet held; no record of theirs is processed before."""
         async with self._restore_lock:
-            await self._restore_missing(partitions)
+            self._restoring = True
+            try:
+                await self._restore_missing(partitions)
+            finally:
+                self._restoring = False
+        self.metrics.state_keys.set(len(self.store))
         self.ready.set()
+
+    def health(self, stall_after_s: float = 30.0) -> Health:
+        """Alive: the loop turned within ``stall_after_s``. Ready: alive, state restored, partitions held."""
+        since = time.monotonic() - self._last_loop
+        alive = self._running and since < stall_after_s
+        assigned = len(self._consumer.assignment()) if self._consumer is not None else 0
+        ready = alive and not self._restoring and self.ready.is_set() and assigned > 0
+        if not self._running:
+            detail = "not running"
+        elif not alive:
+            detail = f"loop stalled for {since:.1f}s"
+        elif self._restoring:
+            detail = "restoring state"
+        elif assigned == 0:
+            detail = "no partitions assigned"
+        else:
+            detail = "ok"
+        return Health(alive, ready, self._restoring, assigned, since, detail)
 
     async def _restore_missing(self, partitions: set[int]) -> None:
         missing = partitions - self.store.owned()
@@ -180,6 +224,8 @@ class Pod:
             )
             self.stats.restored_keys += report.keys
             self.stats.restore_seconds += report.seconds
+            self.metrics.restored_keys.inc(report.keys)
+            self.metrics.restore_seconds.set(report.seconds)
 
     # --- the loop ----------------------------------------------------------------------------
 
@@ -200,7 +246,7 @@ class Pod:
                     await getmany
                 break
             fetched: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = getmany.result()
-            self.stats.last_progress = time.monotonic()
+            self._last_loop = self.stats.last_progress = time.monotonic()
             # Records can arrive while the assignment callback is still restoring, or for a
             # partition revoked meanwhile: keep only assigned partitions, restored first.
             assigned = self._consumer.assignment()
@@ -214,6 +260,7 @@ class Pod:
         self, batch: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
     ) -> None:
         assert self._sink is not None and self._consumer is not None
+        started = time.monotonic()
         overlay: dict[tuple[int, str], state_pb2.ExecutionState] = {}
         offsets: dict[TopicPartition, int] = {}
         counted: Counter[str] = Counter()
@@ -226,6 +273,7 @@ class Pod:
             await self._sink.commit(offsets)
         except Exception as exc:
             self.stats.commit_failures += 1
+            self.metrics.commit_failures.inc()
             logger.error("batch failed, rewinding", extra={"error": str(exc) or type(exc).__name__})
             with contextlib.suppress(Exception):
                 await self._sink.abort()
@@ -237,6 +285,14 @@ class Pod:
             self.store.put(partition, key, state)
         self.stats.outputs.update(counted)
         self.stats.batches += 1
+        for kind, n in counted.items():
+            self.metrics.outputs.labels(kind.rsplit(".", 1)[-1]).inc(n)
+        self.metrics.batch_seconds.observe(time.monotonic() - started)
+        self.metrics.state_keys.set(len(self.store))
+        for tp, off in offsets.items():
+            highwater = self._consumer.highwater(tp)
+            if highwater is not None:
+                self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(0, highwater - off))
 
     async def _process_record(
         self,
@@ -252,6 +308,7 @@ class Pod:
             await self._dead_letter(rec, exc.reason)
             return
         self.stats.consumed[type_name(event)] += 1
+        self.metrics.events_consumed.labels(type_name(event).rsplit(".", 1)[-1]).inc()
         key = record_key(event)
         slot = (rec.partition, key)
         stored = overlay.get(slot)
@@ -264,11 +321,13 @@ class Pod:
             await self._dead_letter(rec, f"internal error: {exc!r}")
             return
         decision = processed.decision
+        self.metrics.record_decision(decision, processed.outcome, self.processor.config.driver_name)
         if decision.reject is not None:
             await self._dead_letter(rec, decision.reject)
             return
         if decision.duplicate:
             self.stats.duplicates += 1
+            self.metrics.duplicates.inc()
             logger.info("duplicate input ignored", extra={"executionId": key, "eventId": event.meta.event_id})
             return
         outcome = processed.outcome
@@ -283,6 +342,7 @@ class Pod:
     async def _dead_letter(self, rec: ConsumerRecord[bytes, bytes], reason: str) -> None:
         assert self._sink is not None
         self.stats.dead_lettered += 1
+        self.metrics.dead_letters.inc()
         logger.warning(
             "record dead-lettered",
             extra={"topic": rec.topic, "partition": rec.partition, "offset": rec.offset, "reason": reason},
