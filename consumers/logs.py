@@ -65,13 +65,18 @@ class HumanFormatter(logging.Formatter):
         return redact(line, self._secrets)
 
 
+#: ``SANDBOX_LANES_LOG_FORMAT`` → ``setup_logging(json_lines=…)``: auto = JSON unless a terminal.
+JSON_LINES_BY_FORMAT: dict[str, bool | None] = {"auto": None, "json": True, "human": False}
+
+
 def setup_logging(
-    level: str = "info",
+    level: str | None = "info",
     *,
     stream: TextIO | None = None,
     json_lines: bool | None = None,
     secrets: Iterable[str] = (),
 ) -> None:
+    level = level or "info"
     out = stream or sys.stderr
     use_json = (not out.isatty()) if json_lines is None else json_lines
     handler = logging.StreamHandler(out)

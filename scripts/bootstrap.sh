@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what sandbox-lanes needs on a fresh Debian machine, idempotently:
-#   - system packages (only when missing): dockerd (docker.io), etcd, busybox-static, openssl, Java, Maven, Go
+#   - system packages (only when missing): dockerd (docker.io), docker-compose, etcd, busybox-static,
+#     openssl, Java, Maven, Go
 #   - a virtualenv at .venv with the project and its test dependencies
 # Usage: scripts/bootstrap.sh [--system] [--python]   (no flag = both)
 set -euo pipefail
@@ -23,6 +24,8 @@ log() { printf '[bootstrap] %s\n' "$*" >&2; }
 if [[ $want_system -eq 1 ]]; then
   missing=()
   command -v dockerd >/dev/null || missing+=(docker.io)
+  # compose/docker-compose.yml is validated with `docker compose config` or Debian's docker-compose
+  docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || missing+=(docker-compose)
   command -v etcd >/dev/null || missing+=(etcd-server)
   [[ -x /bin/busybox ]] || missing+=(busybox-static)
   command -v openssl >/dev/null || missing+=(openssl)
