@@ -76,6 +76,8 @@ class ManagedSandbox:
     sandbox_id: str
     name: str
     state: SandboxProbeState
+    #: When the runtime object was created (unix seconds); ``None`` when the driver cannot tell.
+    created_at: float | None = None
 
 
 class SandboxError(Exception):

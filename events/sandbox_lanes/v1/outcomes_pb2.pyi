@@ -156,3 +156,47 @@ class SandboxTeardownFailed(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SandboxTeardownFailed: _TypeAlias = SandboxTeardownFailed  # noqa: Y015
+
+@_typing.final
+class SandboxReaped(_message.Message):
+    """The reaper removed a sandbox that carries our labels because its execution is over, or because
+    no execution state references it past the grace period. Kafka key = execution id (session id for
+    a session sandbox). event_id is deterministic: uuid5 over (scope, sandbox id, sandbox creation time).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    SANDBOX_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    execution_id: _builtins.str
+    reason: _builtins.str
+    """Why: "execution terminal (EXECUTION_COMPLETED)", "session deleted", "no execution state past grace"."""
+    phase: _common_pb2.ExecutionPhase.ValueType
+    """The execution's phase in the state view (UNSPECIFIED when there is none)."""
+    age_seconds: _builtins.float
+    """Age of the sandbox when it was removed, in seconds (0 when the driver cannot tell)."""
+    @_builtins.property
+    def meta(self) -> _common_pb2.EventMeta: ...
+    @_builtins.property
+    def sandbox(self) -> _common_pb2.SandboxRef: ...
+    def __init__(
+        self,
+        *,
+        meta: _common_pb2.EventMeta | None = ...,
+        execution_id: _builtins.str = ...,
+        sandbox: _common_pb2.SandboxRef | None = ...,
+        reason: _builtins.str = ...,
+        phase: _common_pb2.ExecutionPhase.ValueType = ...,
+        age_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "sandbox", b"sandbox"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "execution_id", b"execution_id", "meta", b"meta", "phase", b"phase", "reason", b"reason", "sandbox", b"sandbox"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SandboxReaped: _TypeAlias = SandboxReaped  # noqa: Y015

@@ -1,0 +1,103 @@
+"""The chaos run (tests/chaos.py) at a reduced size: kill -9, a broker restart, a rebalance window,
+duplicated / reordered input and failing drivers, on real Kafka; every invariant must hold.
+
+The broker-restart run uses its own KafkaBroker (the session fixture's broker is shared with every
+other test and is never restarted); the others run on the fixture's broker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.chaos import ChaosOptions, run_chaos
+from tests.pod_harness import PodProcess
+from tests.proc_util import processes_under
+
+pytestmark = pytest.mark.kafka
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers(tmp_path: Path) -> Iterator[None]:
+    yield
+    PodProcess.kill_all()
+    for pid in processes_under(tmp_path):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def _chaos(opts: ChaosOptions) -> list[str]:
+    lines: list[str] = []
+    opts.out = lines.append
+    opts.show_progress = False
+    results = await run_chaos(opts)
+    text = "\n".join(lines)
+    assert results and all(r.ok for r in results), text
+    assert lines[-1] == "ALL-RECORDS-DELIVERED", text
+    return lines
+
+
+@pytest.mark.timeout(420)
+async def test_chaos_memory_driver_with_kills_a_broker_restart_and_a_rebalance(tmp_path: Path) -> None:
+    lines = await _chaos(
+        ChaosOptions(
+            executions=300,
+            kills=2,
+            driver="memory",
+            seed=7,
+            guarantees=("exactly_once",),
+            bootstrap=None,  # its own broker: this one is restarted
+            broker_restarts=1,
+            rebalance_windows=1,
+            work_dir=tmp_path,
+        )
+    )
+    figures = next(line for line in lines if line.startswith("  figures:"))
+    assert "kills=2" in figures and "broker restarts=1" in figures, figures
+    assert "duplicates injected=0" not in figures
+
+
+@pytest.mark.timeout(300)
+async def test_chaos_at_least_once_reports_same_id_redeliveries(kafka_bootstrap: str, tmp_path: Path) -> None:
+    lines = await _chaos(
+        ChaosOptions(
+            executions=200,
+            kills=2,
+            driver="memory",
+            seed=11,
+            guarantees=("at_least_once",),
+            bootstrap=kafka_bootstrap,
+            broker_restarts=0,
+            rebalance_windows=1,
+            work_dir=tmp_path,
+        )
+    )
+    assert any("same-id redeliveries=" in line for line in lines)
+
+
+@pytest.mark.timeout(300)
+async def test_chaos_local_process_driver_with_real_runners_and_the_reaper(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    lines = await _chaos(
+        ChaosOptions(
+            executions=80,
+            kills=1,
+            driver="local-process",
+            seed=3,
+            guarantees=("exactly_once",),
+            bootstrap=kafka_bootstrap,
+            broker_restarts=0,
+            rebalance_windows=1,
+            ensure_failure_rate=0.08,
+            teardown_failure_rate=0.08,
+            work_dir=tmp_path,
+        )
+    )
+    assert any("no sandbox alive for a terminal execution once the reaper ran" in line for line in lines)
+    assert processes_under(tmp_path) == []
