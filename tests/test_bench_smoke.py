@@ -1,0 +1,88 @@
+"""The benchmark in miniature, so it cannot rot: every figure present and positive (no timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts.dockerd import Dockerd
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.kafka, pytest.mark.docker]
+
+
+def _positive(fig: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        value = fig[key]
+        if isinstance(value, dict):
+            assert value["median"] > 0 and value["min"] > 0, (key, value)
+            assert value["min"] <= value["median"] <= value["max"], (key, value)
+        else:
+            assert value > 0, (key, value)
+
+
+def test_bench_tiny_run_writes_every_figure(
+    kafka_bootstrap: str, dockerd: Dockerd, docker_image: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable, "-m", "consumers.cli", "bench",
+        "--bootstrap", kafka_bootstrap, "--out", str(out), "--no-progress",
+        "--repeats", "2", "--events", "300", "--partitions", "2",
+        "--latency-seconds", "1", "--latency-warmup", "0.5",
+        "--rules-events", "2000", "--restore-sizes", "200,1000",
+        "--driver-samples", "2", "--docker-samples", "1",
+        "--docker-host", dockerd.socket_url, "--docker-image", docker_image,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| figure | median | min-max | goal |" in proc.stdout
+    doc = json.loads(out.read_text())
+
+    meta = doc["meta"]
+    assert meta["machine"]["cores"] > 0 and meta["machine"]["memory_gib"] > 0
+    assert meta["versions"]["aiokafka"] not in ("", "?")
+    assert meta["broker"]["bootstrap"] == kafka_bootstrap
+
+    figs = doc["figures"]
+    errors = {name: fig["error"] for name, fig in figs.items() if "error" in fig}
+    assert not errors, errors
+
+    tp = figs["throughput"]
+    _positive(tp["ceiling"], "plain_pipe_events_per_s", "eos_pipe_2_writes_events_per_s")
+    _positive(
+        tp["pod"],
+        "exactly_once_events_per_s",
+        "at_least_once_events_per_s",
+        "ratio_exactly_once",
+        "ratio_at_least_once",
+        "ratio_exactly_once_vs_eos_pipe",
+    )
+    assert len(tp["pod"]["exactly_once_events_per_s"]["runs"]) == 2
+
+    lat = figs["latency"]
+    _positive(lat, "offered_rate", "samples", "p50_ms", "p95_ms", "p99_ms")
+    assert lat["lost"] == 0
+    assert lat["p50_ms"]["median"] <= lat["p95_ms"]["median"] <= lat["p99_ms"]["median"]
+
+    _positive(figs["rules"], "decisions_per_s_per_core", "decide_only_per_s_per_core")
+
+    restore = figs["restore"]
+    assert set(restore["sizes"]) == {"200", "1000"}
+    for size in restore["sizes"].values():
+        _positive(size, "write_seconds", "seconds", "records_per_s", "rss_peak_mib", "rss_baseline_mib")
+
+    for name in ("local-process", "docker"):
+        drv = figs["drivers"][name]
+        assert "error" not in drv, drv
+        _positive(drv, "samples", "ensure_p50_ms", "ensure_p99_ms", "re_ensure_p50_ms", "re_ensure_p99_ms")
