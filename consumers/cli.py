@@ -7,29 +7,63 @@ import asyncio
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from consumers.logs import setup_logging
+from consumers.config_file import CONFIG_FILE_ENV
+from consumers.logs import JSON_LINES_BY_FORMAT, setup_logging
 from consumers.settings import ConfigError, load_settings
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from consumers.compose import compose
+    from consumers.http_server import OpsServer
 
     settings = load_settings()
-    setup_logging(args.log_level, secrets=[settings.raw.get("STIGMER_RUNNER_TOKEN_KEY", "")])
-    composed = compose(settings, logging.getLogger("sandbox_lanes"))
+    setup_logging(
+        args.log_level or settings.log_level,
+        json_lines=JSON_LINES_BY_FORMAT[settings.log_format],
+        secrets=settings.secret_values,
+    )
+    log = logging.getLogger("sandbox_lanes")
+    for warning in settings.warnings:
+        log.warning(warning)
+    composed = compose(settings, log)
+    ops = (
+        OpsServer(
+            composed.pod,
+            composed.metrics,
+            host=settings.http_host,
+            port=settings.http_port,
+            stall_after_s=settings.stall_seconds,
+        )
+        if settings.http_port
+        else None
+    )
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, composed.pod.request_stop)
+        from consumers.reaper import start_periodic_reaper  # SANDBOX_LANES_REAP_INTERVAL_S (0 = off)
+
+        start_periodic_reaper(settings, composed)  # the pod awaits it within its shutdown bound
         try:
+            if ops is not None:  # /metrics, /healthz, /readyz on this loop; 503 until the pod is ready
+                try:
+                    await ops.start()
+                except OSError as exc:
+                    raise ConfigError(
+                        f"SANDBOX_LANES_HTTP_HOST={settings.http_host!r} SANDBOX_LANES_HTTP_PORT="
+                        f"{settings.http_port}: cannot listen: {exc.strerror or exc}"
+                    ) from None
             await composed.pod.run()
         finally:
+            if ops is not None:
+                await ops.stop()
             if composed.provisioner is not None:
                 await composed.provisioner.close()
 
@@ -82,7 +116,10 @@ def _cmd_tail(args: argparse.Namespace) -> int:
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
-    print(json.dumps(load_settings().effective(), indent=2))
+    settings = load_settings()  # validates everything: a wrong value exits 2 with the variable named
+    for warning in settings.warnings:
+        print(f"sandbox-lanes: warning: {warning}", file=sys.stderr)
+    print(json.dumps(settings.effective(), indent=2))
     return 0
 
 
@@ -108,15 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sandbox-lanes",
         description="Event-sourced Kafka consumer that provisions and tears down execution sandboxes.",
     )
+    config_help = "optional YAML or .env config file (sets SANDBOX_LANES_CONFIG_FILE; the environment wins)"
+    parser.add_argument("--config", metavar="FILE", default=None, help=config_help)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        p.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
         return p
 
     add("run", "run the pod (configured from the environment; see the README's config table)").set_defaults(
-        func=_cmd_run
+        func=_cmd_run, log_level=None  # no --log-level: SANDBOX_LANES_LOG_LEVEL (default info)
     )
     demo = add("demo", "start the embedded Tansu broker and the pod, play a short scenario, clean up")
     demo.add_argument("--verbose", action="store_true", help="also print the pod's logs")
@@ -159,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "config", None):  # global --config FILE: every command's load_settings() reads it
+        os.environ[CONFIG_FILE_ENV] = args.config
     try:
         code: int = args.func(args)
     except ConfigError as exc:

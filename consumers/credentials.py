@@ -19,7 +19,7 @@ import os
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
 
 from consumers.constants import (
     DEFAULT_TOKEN_TTL_SECONDS,
@@ -35,9 +35,11 @@ from consumers.constants import (
 CredentialScope = Literal["session", "workflow", "connect"]
 
 
-@dataclass(frozen=True)
-class SandboxCredentialRequest:
-    """The full provisioning context a capability provider decides from (C4)."""
+class SandboxCredentialRequest(NamedTuple):
+    """The full provisioning context a capability provider decides from (C4).
+
+    Immutable and compared by value; a NamedTuple because one is built per ensure decision.
+    """
 
     scope: CredentialScope
     session_id: str
@@ -104,6 +106,19 @@ def _b64url_decode(text: str) -> bytes:
 
 
 _JWT_HEADER = _b64url(json.dumps({"alg": "HS256", "typ": "JWT"}, separators=(",", ":")).encode())
+_CLAIMS_HEAD = '{"token_type":' + json.dumps(TOKEN_TYPE_EXECUTION_SCOPED) + ',"execution_id":'
+
+
+def _claims_json(binding: str, iat: int, exp: int) -> str:
+    """``json.dumps({"token_type", "execution_id", "iat", "exp"}, separators=(",", ":"))``, byte for byte.
+
+    Formatted directly for the types the mint passes (a str binding, int times); anything else takes
+    ``json.dumps`` itself.
+    """
+    if type(binding) is str and type(iat) is int and type(exp) is int:
+        return f'{_CLAIMS_HEAD}{json.dumps(binding)},"iat":{iat},"exp":{exp}}}'
+    claims = {"token_type": TOKEN_TYPE_EXECUTION_SCOPED, "execution_id": binding, "iat": iat, "exp": exp}
+    return json.dumps(claims, separators=(",", ":"))
 
 
 class ExecutionScopedRunnerCredentialProvider:
@@ -151,15 +166,9 @@ class ExecutionScopedRunnerCredentialProvider:
             raise ValueError(EXECUTION_ID_REQUIRED_MESSAGE)
         ttl = ttl_seconds if ttl_seconds > 0 else DEFAULT_TOKEN_TTL_SECONDS
         iat = int(self._now.now(dt.UTC).timestamp())
-        claims = {
-            "token_type": TOKEN_TYPE_EXECUTION_SCOPED,
-            "execution_id": binding,
-            "iat": iat,
-            "exp": iat + ttl,
-        }
-        body = _b64url(json.dumps(claims, separators=(",", ":")).encode())
+        body = _b64url(_claims_json(binding, iat, iat + ttl).encode())
         signing_input = f"{_JWT_HEADER}.{body}".encode()
-        signature = _b64url(hmac.new(self._key, signing_input, hashlib.sha256).digest())
+        signature = _b64url(hmac.digest(self._key, signing_input, "sha256"))
         return MintedCredential(token=f"{_JWT_HEADER}.{body}.{signature}", ttl_seconds=ttl)
 
     def verify(self, lane: str, token: str) -> str:

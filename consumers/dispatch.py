@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from consumers.constants import (
     DEFAULT_EXECUTION_TARGET_CLOUD,
@@ -54,8 +55,9 @@ def resolve_execution_target(target: int, default_execution_target: str) -> int:
     return common_pb2.LOCAL
 
 
-@dataclass(frozen=True)
-class Dispatch:
+class Dispatch(NamedTuple):
+    """Immutable and compared by value; a NamedTuple because one is built per decision."""
+
     task_queue: str
     execution_target: int
     via_override: bool = False

@@ -45,18 +45,19 @@ class DriverExecutor(CommandRunner):
         result = await self._run(command)
         if self.metrics is not None:
             operation = "provisioning" if isinstance(command, Ensure) else "teardown"
-            self.metrics.driver_seconds.labels(
+            self.metrics.driver_observer(
                 self.provisioner.driver_name, operation, "ok" if result.ok else "error"
             ).observe(time.monotonic() - started)
         return result
+
+    # ``asyncio.timeout`` bounds the awaits in this task; ``asyncio.wait_for`` would create a Task per call.
 
     async def _run(self, command: Command) -> CommandResult:
         if isinstance(command, Ensure):
             return await self._ensure(command)
         try:
-            await asyncio.wait_for(
-                self.provisioner.deprovision(command.scope, command.sandbox_id), self.teardown_timeout_s
-            )
+            async with asyncio.timeout(self.teardown_timeout_s):
+                await self.provisioner.deprovision(command.scope, command.sandbox_id)
         except TimeoutError:
             return CommandResult(
                 ok=False, error=f"sandbox teardown timed out after {self.teardown_timeout_s:g}s"
@@ -71,17 +72,15 @@ class DriverExecutor(CommandRunner):
             env = SandboxEnvironment(
                 task_queue=command.task_queue, stigmer_token=token, caller_class=command.caller_class
             )
-            await asyncio.wait_for(
-                self.provisioner.ensure(command.scope, command.sandbox_id, env), self.ensure_timeout_s
-            )
+            async with asyncio.timeout(self.ensure_timeout_s):
+                await self.provisioner.ensure(command.scope, command.sandbox_id, env)
         except TimeoutError:
             return CommandResult(ok=False, error=f"sandbox ensure timed out after {self.ensure_timeout_s:g}s")
         except Exception as exc:
             return CommandResult(ok=False, error=error_message(exc))
         try:
-            probe_state: str = await asyncio.wait_for(
-                self.provisioner.probe(command.scope, command.sandbox_id), self.ensure_timeout_s
-            )
+            async with asyncio.timeout(self.ensure_timeout_s):
+                probe_state: str = await self.provisioner.probe(command.scope, command.sandbox_id)
         except Exception as exc:  # the ensure succeeded; a failed probe only loses a diagnostic
             self.logger.warning("Sandbox probe after ensure failed", extra={"error": error_message(exc)})
             probe_state = "unknown"

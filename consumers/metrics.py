@@ -9,7 +9,6 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from consumers.rules import Decision, Deprovision, Ensure, Outcome
-from events.codec import type_name
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -73,25 +72,44 @@ class PodMetrics:
             registry=r,
         )
 
+        # ``.labels(...)`` takes a lock and validates per call; the label sets here are bounded
+        # vocabularies, so the children are looked up once and kept (the registry keeps them too).
+        self._decision_children: dict[tuple[str, str], Counter] = {}
+        self._driver_children: dict[tuple[str, str, str], Histogram] = {}
+
+    def _decision(self, lane: str, outcome: str) -> Counter:
+        child = self._decision_children.get((lane, outcome))
+        if child is None:
+            child = self._decision_children[(lane, outcome)] = self.decisions.labels(lane, outcome)
+        return child
+
+    def driver_observer(self, driver: str, operation: str, result: str) -> Histogram:
+        """``driver_seconds.labels(driver, operation, result)``, cached."""
+        key = (driver, operation, result)
+        child = self._driver_children.get(key)
+        if child is None:
+            child = self._driver_children[key] = self.driver_seconds.labels(driver, operation, result)
+        return child
+
     def record_decision(self, decision: Decision, outcome: Outcome | None, driver: str) -> None:
         if decision.reject is not None:
-            self.decisions.labels(_lane_of_event(decision), "rejected").inc()
+            self._decision(_lane_of_event(decision), "rejected").inc()
             return
         if decision.duplicate:
-            self.decisions.labels(_lane_of_event(decision), "duplicate").inc()
+            self._decision(_lane_of_event(decision), "duplicate").inc()
             return
         if not decision.commands:
-            self.decisions.labels(_lane_of_event(decision), "skipped").inc()
+            self._decision(_lane_of_event(decision), "skipped").inc()
             return
         for command, output in zip(decision.commands, outcome.outputs if outcome else (), strict=False):
-            lane = _lane_of_command(command)
-            kind = type_name(output).rsplit(".", 1)[-1]
-            self.decisions.labels(lane, _OUTCOME_WORDS.get(kind, kind)).inc()
+            lane = lane_of_command(command)
+            kind = output.DESCRIPTOR.name  # == type_name(output).rsplit(".", 1)[-1]
+            self._decision(lane, OUTCOME_WORDS.get(kind, kind)).inc()
             if kind == "SandboxTeardownFailed":
                 self.leaked.labels(driver).inc()
 
 
-_OUTCOME_WORDS = {
+OUTCOME_WORDS = {
     "SandboxProvisioned": "provisioned",
     "SandboxFailed": "failed",
     "SandboxDeprovisioned": "deprovisioned",
@@ -99,7 +117,7 @@ _OUTCOME_WORDS = {
 }
 
 
-def _lane_of_command(command: Ensure | Deprovision) -> str:
+def lane_of_command(command: Ensure | Deprovision) -> str:
     if isinstance(command, Ensure):
         return command.scope
     return "terminal" if command.scope == "workflow" else "session_delete"

@@ -7,6 +7,7 @@ harness share these names and creation rules.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
@@ -70,7 +71,12 @@ async def ensure_topics(
         with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent pod created it first
             await admin.create_topics(missing)
         logger.info("topics created", extra={"topics": ",".join(t.name for t in missing)})
-    counts = await _partition_counts(admin, topics.all())
+    # Metadata of just-created topics can lag behind the create response: look again briefly.
+    for _ in range(50):
+        counts = await _partition_counts(admin, topics.all())
+        if all(name in counts for name in topics.all()):
+            break
+        await asyncio.sleep(0.1)
     wanted = {name: counts.get(name) for name in topics.co_partitioned}
     if len(set(wanted.values())) != 1 or None in wanted.values():
         raise TopologyError(

@@ -51,14 +51,15 @@ from drivers.naming import (
     sandbox_labels,
 )
 from drivers.runner_env import build_runner_env, scrub
+from drivers.runner_launch import RUNNER_GID, RUNNER_HOME, RUNNER_MAIN, RUNNER_START, RUNNER_UID
 
 DRIVER_NAME: Final = "docker"
 DEFAULT_DOCKER_HOST: Final = "unix:///var/run/docker.sock"
-RUNNER_ENTRYPOINT: Final = "/runner/bin/start"
-RUNNER_COMMAND: Final = "/runner/dist/main.js"
-CONTAINER_USER: Final = "0:0"
+RUNNER_ENTRYPOINT: Final = RUNNER_START
+RUNNER_COMMAND: Final = RUNNER_MAIN
+CONTAINER_USER: Final = f"{RUNNER_UID}:{RUNNER_GID}"
 CONTAINER_WORKDIR: Final = "/workspace"
-CONTAINER_HOME: Final = "/root"
+CONTAINER_HOME: Final = RUNNER_HOME
 
 BACKEND_ENDPOINT_REQUIRED: Final = (
     "sandbox provisioner 'docker' requires STIGMER_SANDBOX_BACKEND_ENDPOINT"
@@ -441,7 +442,9 @@ class DockerProvisioner(ScopedMethods):
             names: list[str] = row.get("Names") or []
             name = names[0].lstrip("/") if names else str(row.get("Id", ""))
             state: SandboxProbeState = "running" if row.get("State") == "running" else "stopped"
-            found.append(ManagedSandbox(scope, sandbox_id, name, state))
+            created = row.get("Created")
+            created_at = float(created) if isinstance(created, int | float) else None
+            found.append(ManagedSandbox(scope, sandbox_id, name, state, created_at=created_at))
         return sorted(found, key=lambda m: (m.scope, m.sandbox_id))
 
     async def close(self) -> None:

@@ -95,6 +95,8 @@ from drivers.naming import (
     sandbox_labels,
 )
 from drivers.runner_env import TOKEN_ENV, RunnerEnv, build_runner_env, scrub
+from drivers.runner_launch import RUNNER_HOME as LAUNCH_HOME
+from drivers.runner_launch import runner_command
 
 # The config loaders carry no annotations; bind them as Any for strict typing.
 _load_kube_config: Any = k8s_config.load_kube_config
@@ -106,9 +108,9 @@ APPLY_CONTENT_TYPE: Final = "application/apply-patch+yaml"
 MERGE_PATCH_CONTENT_TYPE: Final = "application/merge-patch+json"
 
 CONTAINER_NAME: Final = "runner"
-RUNNER_COMMAND: Final[tuple[str, ...]] = ("/runner/bin/start", "/runner/dist/main.js")
+RUNNER_COMMAND: Final[tuple[str, ...]] = tuple(runner_command())
 WORKSPACE_DIR: Final = "/workspace"
-RUNNER_HOME: Final = "/root"
+RUNNER_HOME: Final = LAUNCH_HOME
 #: Rendering order of the driver-owned plain values (upstream's manifest order).
 _PLAIN_ORDER: Final[tuple[str, ...]] = (
     "MODE",
@@ -495,7 +497,11 @@ class KubernetesProvisioner(ScopedMethods):
                     continue
                 replicas = int((dep.spec.replicas if dep.spec is not None else 0) or 0)
                 state: SandboxProbeState = "running" if replicas >= 1 else "stopped"
-                found.append(ManagedSandbox(scope, sandbox_id, str(dep.metadata.name), state))
+                stamp = dep.metadata.creation_timestamp
+                created_at = stamp.timestamp() if stamp is not None else None
+                found.append(
+                    ManagedSandbox(scope, sandbox_id, str(dep.metadata.name), state, created_at=created_at)
+                )
             token = page.metadata._continue if page.metadata is not None else None
             if not token:
                 break

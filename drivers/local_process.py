@@ -446,7 +446,11 @@ class LocalProcessProvisioner(ScopedMethods):
             if record is None:
                 continue
             if is_same_live_process(record.identity):
-                found.append(ManagedSandbox(record.scope, record.sandbox_id, record.name, "running"))
+                found.append(
+                    ManagedSandbox(
+                        record.scope, record.sandbox_id, record.name, "running", created_at=record.started_at
+                    )
+                )
             else:
                 self._remove_record(record.name, only_if=record.identity)
         return found

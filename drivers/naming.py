@@ -6,6 +6,7 @@ because the same (scope, id) always maps to the same runtime object.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Final
 
@@ -23,8 +24,12 @@ LABEL_SANDBOX_ID: Final = "stigmer.ai/sandbox-id"
 MANAGED_BY_VALUE: Final = "stigmer-server"
 
 
+@functools.lru_cache(maxsize=4096)
 def sandbox_base_name(scope: SandboxScope, sandbox_id: str) -> str:
-    """``sbx-<code>-<first 12 hex of sha256(id)>``: DNS-1123 safe for any id alphabet."""
+    """``sbx-<code>-<first 12 hex of sha256(id)>``: DNS-1123 safe for any id alphabet.
+
+    Pure, so cached: an ensure and its later deprovision (and the driver's own calls) share one hash.
+    """
     digest = hashlib.sha256(sandbox_id.encode("utf-8")).hexdigest()[:12]
     return f"sbx-{SCOPE_CODES[scope]}-{digest}"
 

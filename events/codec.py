@@ -10,10 +10,10 @@ with a reason that the dead-letter record carries.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Final, TypeAlias
+from typing import Final, NamedTuple, TypeAlias
 
 from google.protobuf import timestamp_pb2
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
@@ -35,6 +35,7 @@ OutcomeEvent: TypeAlias = (
     | outcomes_pb2.SandboxFailed
     | outcomes_pb2.SandboxDeprovisioned
     | outcomes_pb2.SandboxTeardownFailed
+    | outcomes_pb2.SandboxReaped
 )
 Headers: TypeAlias = Sequence[tuple[str, bytes]]
 
@@ -49,6 +50,7 @@ OUTCOME_TYPES: Final[dict[str, type[Message]]] = {
         outcomes_pb2.SandboxFailed,
         outcomes_pb2.SandboxDeprovisioned,
         outcomes_pb2.SandboxTeardownFailed,
+        outcomes_pb2.SandboxReaped,
     )
 }
 STATE_TYPE: Final = TYPE_PREFIX + state_pb2.ExecutionState.DESCRIPTOR.name
@@ -61,6 +63,7 @@ ALL_TYPES: Final[dict[str, type[Message]]] = {
 #: Output ids are uuid5 over (input event id, outcome type, scope): a redelivered
 #: input re-derives the same id, so consumers can de-duplicate at-least-once output.
 _OUTPUT_ID_NAMESPACE: Final = uuid.UUID("6f1d3c2e-5b7a-4e0b-9a51-2f4c8d7e9b10")
+_OUTPUT_ID_NAMESPACE_BYTES: Final = _OUTPUT_ID_NAMESPACE.bytes
 
 
 class DecodeError(ValueError):
@@ -71,8 +74,9 @@ class DecodeError(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class EncodedRecord:
+class EncodedRecord(NamedTuple):
+    """Immutable and compared by value; a NamedTuple because two are built per input record."""
+
     key: bytes
     value: bytes
     headers: list[tuple[str, bytes]]
@@ -82,8 +86,18 @@ def type_name(message: Message) -> str:
     return TYPE_PREFIX + message.DESCRIPTOR.name
 
 
+#: The RFC 4122 variant applied to the high nibble of byte 8 (``(b & 0x3F) | 0x80``), as hex.
+_VARIANT_NIBBLE: Final = {f"{n:x}": "89ab"[n & 3] for n in range(16)}
+
+
 def derived_event_id(causation_id: str, kind: str, discriminator: str = "") -> str:
-    return str(uuid.uuid5(_OUTPUT_ID_NAMESPACE, f"{causation_id}/{kind}/{discriminator}"))
+    """``str(uuid.uuid5(namespace, name))``, computed without building ``UUID`` objects (hot path).
+
+    The version (5) and variant bits are set on the hex digits directly.
+    """
+    name = f"{causation_id}/{kind}/{discriminator}".encode()
+    h = hashlib.sha1(_OUTPUT_ID_NAMESPACE_BYTES + name).hexdigest()
+    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{_VARIANT_NIBBLE[h[16]]}{h[17:20]}-{h[20:32]}"
 
 
 def new_event_id() -> str:
@@ -124,24 +138,63 @@ def record_key(message: Message) -> str:
     return key
 
 
+_CE_SPECVERSION_BYTES: Final = CE_SPECVERSION.encode()
+_CONTENT_TYPE_BYTES: Final = CONTENT_TYPE.encode()
+_CE_TYPE_BYTES: Final[dict[str, bytes]] = {name: name.encode() for name in ALL_TYPES}
+
+#: ``Timestamp.ToJsonString()`` of whole seconds, without the ``Z`` (the date part is the slow part).
+_SECONDS_TEXT: dict[int, str] = {}
+_SECONDS_TEXT_MAX: Final = 4096
+
+
+def timestamp_json(ts: timestamp_pb2.Timestamp) -> str:
+    """``ts.ToJsonString()``, byte for byte, with the whole-seconds text cached (hot path: ``ce_time``)."""
+    seconds = ts.seconds
+    nanos = ts.nanos
+    head = _SECONDS_TEXT.get(seconds)
+    if head is None:
+        head = timestamp_pb2.Timestamp(seconds=seconds).ToJsonString()[:-1]  # raises on invalid seconds
+        if len(_SECONDS_TEXT) >= _SECONDS_TEXT_MAX:
+            _SECONDS_TEXT.clear()
+        _SECONDS_TEXT[seconds] = head
+    # The fraction exactly as protobuf's well_known_types.Timestamp.ToJsonString writes it.
+    if nanos < 0 or nanos >= 1_000_000_000:
+        return ts.ToJsonString()  # raises protobuf's own "Timestamp is not valid" error
+    # (nanos is an int in [0, 1e9): protobuf's "%03d" % (nanos / 1e6) is nanos // 1_000_000.)
+    if nanos == 0:
+        return head + "Z"
+    if nanos % 1_000_000 == 0:
+        return f"{head}.{nanos // 1_000_000:03d}Z"
+    if nanos % 1_000 == 0:
+        return f"{head}.{nanos // 1_000:06d}Z"
+    return f"{head}.{nanos:09d}Z"
+
+
 def encode(message: Message, *, source: str = "sandbox-lanes") -> EncodedRecord:
     """Serialize an event (or a state value) with its CloudEvents headers."""
     ce_type = type_name(message)
-    if ce_type not in ALL_TYPES:
+    ce_type_bytes = _CE_TYPE_BYTES.get(ce_type)
+    if ce_type_bytes is None:
         raise ValueError(f"not a sandbox-lanes event: {ce_type}")
     meta = getattr(message, "meta", None)
-    event_id = meta.event_id if meta is not None else ""
-    occurred = meta.occurred_at.ToJsonString() if meta is not None and meta.HasField("occurred_at") else ""
+    if meta is not None:
+        event_id = meta.event_id
+        occurred = timestamp_json(meta.occurred_at) if meta.HasField("occurred_at") else ""
+        meta_source = meta.source
+        if meta_source:
+            source = meta_source
+    else:
+        event_id = occurred = ""
     key = message.execution_id if isinstance(message, state_pb2.ExecutionState) else record_key(message)
     headers = [
-        ("ce_specversion", CE_SPECVERSION.encode()),
-        ("ce_type", ce_type.encode()),
+        ("ce_specversion", _CE_SPECVERSION_BYTES),
+        ("ce_type", ce_type_bytes),
         ("ce_id", event_id.encode()),
-        ("ce_source", (meta.source if meta is not None and meta.source else source).encode()),
+        ("ce_source", source.encode()),
         ("ce_time", occurred.encode()),
-        ("content-type", CONTENT_TYPE.encode()),
+        ("content-type", _CONTENT_TYPE_BYTES),
     ]
-    return EncodedRecord(key=key.encode(), value=message.SerializeToString(), headers=headers)
+    return EncodedRecord(key.encode(), message.SerializeToString(), headers)
 
 
 def header(headers: Iterable[tuple[str, bytes]] | None, name: str) -> str | None:
@@ -151,24 +204,59 @@ def header(headers: Iterable[tuple[str, bytes]] | None, name: str) -> str | None
     return None
 
 
-def _check_enums(message: Message, descriptor: Descriptor, path: str = "") -> None:
-    """Proto3 enums are open: an unknown number parses; the pod refuses it explicitly."""
+#: One step of an enum check: (field name, path name, known numbers or None for a sub-message,
+#: enum full name, repeated, sub-message descriptor).
+_EnumStep: TypeAlias = tuple[str, str, frozenset[int] | None, str, bool, Descriptor | None]
+_ENUM_PLANS: dict[tuple[str, str], tuple[_EnumStep, ...]] = {}
+
+
+def _enum_plan(
+    descriptor: Descriptor, path: str, visiting: frozenset[str] = frozenset()
+) -> tuple[_EnumStep, ...]:
+    """The fields :func:`_check_enums` visits, in descriptor order, computed once per (type, path).
+
+    Sub-messages whose whole tree has no enum field are left out: checking them cannot fail. A
+    recursive type is kept as a step and planned when a value actually nests it.
+    """
+    cache_key = (descriptor.full_name, path)
+    plan = _ENUM_PLANS.get(cache_key)
+    if plan is not None:
+        return plan
+    visiting = visiting | {descriptor.full_name}
+    steps: list[_EnumStep] = []
     for field in descriptor.fields:
         name = f"{path}{field.name}"
         if field.type == FieldDescriptor.TYPE_ENUM:
             enum: EnumDescriptor | None = field.enum_type
             assert enum is not None
-            values = getattr(message, field.name)
-            for value in values if field.is_repeated else [values]:
-                if value not in enum.values_by_number:
-                    raise DecodeError(f"unknown enum value {value} for field {name} ({enum.full_name})")
+            numbers = frozenset(enum.values_by_number)
+            steps.append((field.name, name, numbers, enum.full_name, field.is_repeated, None))
         elif (
             field.type == FieldDescriptor.TYPE_MESSAGE
             and not field.is_repeated
             and field.message_type is not None
-            and message.HasField(field.name)
+            and (
+                field.message_type.full_name in visiting
+                or _enum_plan(field.message_type, f"{name}.", visiting)
+            )
         ):
-            _check_enums(getattr(message, field.name), field.message_type, f"{name}.")
+            steps.append((field.name, name, None, "", False, field.message_type))
+    plan = tuple(steps)
+    _ENUM_PLANS[cache_key] = plan
+    return plan
+
+
+def _check_enums(message: Message, descriptor: Descriptor, path: str = "") -> None:
+    """Proto3 enums are open: an unknown number parses; the pod refuses it explicitly."""
+    for field_name, name, numbers, enum_name, repeated, sub in _enum_plan(descriptor, path):
+        if numbers is not None:
+            values = getattr(message, field_name)
+            for value in values if repeated else (values,):
+                if value not in numbers:
+                    raise DecodeError(f"unknown enum value {value} for field {name} ({enum_name})")
+        elif message.HasField(field_name):
+            assert sub is not None
+            _check_enums(getattr(message, field_name), sub, f"{name}.")
 
 
 def decode(

@@ -47,6 +47,7 @@ def unique_env(bootstrap: str, tmp: Path, **overrides: str) -> dict[str, str]:
         "SANDBOX_LANES_TOPIC_OUTCOMES": f"{tag}.sandbox-outcomes",
         "SANDBOX_LANES_TOPIC_STATE": f"{tag}.sandbox-lanes-state",
         "SANDBOX_LANES_TOPIC_DLQ": f"{tag}.sandbox-lanes-dlq",
+        "SANDBOX_LANES_HTTP_PORT": "0",
         "SANDBOX_PROVISIONER_TYPE": "local-process",
         "STIGMER_SANDBOX_RUNNER_COMMAND": STUB_RUNNER,
         "STIGMER_ACTIVITY_ROUTING": "session",
