@@ -1,8 +1,15 @@
 """Shared pytest wiring: the real parts (Kafka, dockerd, kube-apiserver) are session fixtures."""
 
+import contextlib
 import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from tests.pod_harness import PodProcess
+from tests.proc_util import processes_under
 
 pytest_plugins = [
     "tests.fixtures.kafka",
@@ -20,3 +27,15 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if skipped:
         reporter.write_line(f"{skipped} test(s) skipped: skips are failures under scripts/test.sh", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def no_leaked_runners(tmp_path: Path) -> Iterator[None]:
+    """Every pod and runner a test starts is gone when it ends; a leaked runner fails the test."""
+    yield
+    PodProcess.kill_all()
+    leaked = processes_under(tmp_path)
+    for pid in leaked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert leaked == [], f"runner processes leaked: {leaked}"

@@ -110,7 +110,9 @@ def test_the_defaults_are_valid_and_every_knob_is_shown() -> None:
     assert shown["SANDBOX_LANES_POD_ID"]  # the hostname
 
 
-def test_config_show_masks_secrets(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_config_show_masks_secrets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("STIGMER_RUNNER_TOKEN_KEY", GOOD_KEY)
     monkeypatch.setenv("SANDBOX_LANES_DRIVER_OPTIONS", "api_token=hunter2hunter2,memory=2g")
     assert main(["config", "show"]) == 0
@@ -185,14 +187,20 @@ def test_a_dotenv_config_file(tmp_path: Path) -> None:
 def test_a_bad_value_in_the_file_is_named_like_one_in_the_environment(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("SANDBOX_LANES_LOG_FORMAT: xml\n")
-    with pytest.raises(ConfigError, match=r"SANDBOX_LANES_LOG_FORMAT='xml' is invalid; allowed: auto, json, human"):
+    with pytest.raises(
+        ConfigError, match=r"SANDBOX_LANES_LOG_FORMAT='xml' is invalid; allowed: auto, json, human"
+    ):
         load_settings({"SANDBOX_LANES_CONFIG_FILE": str(path)})
 
 
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
-        ("typo.yaml", "SANDBOX_LANES_PARTITONS: 3\n", "unknown setting 'SANDBOX_LANES_PARTITONS'; did you mean 'SANDBOX_LANES_PARTITIONS'?"),
+        (
+            "typo.yaml",
+            "SANDBOX_LANES_PARTITONS: 3\n",
+            "unknown setting 'SANDBOX_LANES_PARTITONS'; did you mean 'SANDBOX_LANES_PARTITIONS'?",
+        ),
         ("list.yaml", "- a\n- b\n", "expected a mapping of VARIABLE: value"),
         ("broken.yaml", "KAFKA_BOOTSTRAP_SERVERS: [\n", "not valid YAML"),
         ("nested.yaml", "SANDBOX_LANES_GROUP_ID: {a: 1}\n", "SANDBOX_LANES_GROUP_ID must be a string"),
@@ -217,7 +225,11 @@ def test_the_global_config_flag(tmp_path: Path) -> None:
     env.update(PYTHONPATH=str(ROOT), SANDBOX_LANES_PARTITIONS="7")
     for argv in (["--config", str(path), "config", "show"], ["config", "--config", str(path), "show"]):
         proc = subprocess.run(
-            [sys.executable, "-m", "consumers.cli", *argv], env=env, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "consumers.cli", *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert proc.returncode == 0, proc.stderr  # before the subcommand, or right after it
         shown = json.loads(proc.stdout)

@@ -50,9 +50,10 @@ def free_port() -> int:
 async def http_get(port: int, path: str) -> tuple[int, str, str]:
     """(status, content type, body) of ``GET http://127.0.0.1:<port><path>``."""
     timeout = aiohttp.ClientTimeout(total=5)
-    async with aiohttp.ClientSession(timeout=timeout) as session, session.get(
-        f"http://127.0.0.1:{port}{path}"
-    ) as resp:
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        session.get(f"http://127.0.0.1:{port}{path}") as resp,
+    ):
         return resp.status, resp.headers.get("Content-Type", ""), await resp.text()
 
 
@@ -277,7 +278,9 @@ async def test_readiness_follows_state_recovery(kafka_bootstrap: str, tmp_path: 
             )
             record = encode(state)
             pending.append(
-                await producer.send(settings.topics.state, record.value, key=record.key, headers=record.headers)
+                await producer.send(
+                    settings.topics.state, record.value, key=record.key, headers=record.headers
+                )
             )
         await producer.flush()
         await asyncio.gather(*pending)
@@ -353,7 +356,11 @@ async def test_a_stalled_loop_fails_liveness_and_readiness_then_recovers(
             assert [type(r.message).__name__ for r in outcomes] == ["SandboxProvisioned"]
             parsed = samples((await http_get(ops.port, "/metrics"))[2])
             seconds = value(
-                parsed, "sandbox_lanes_driver_seconds_sum", driver="memory", operation="provisioning", result="ok"
+                parsed,
+                "sandbox_lanes_driver_seconds_sum",
+                driver="memory",
+                operation="provisioning",
+                result="ok",
             )
             assert seconds is not None and seconds >= driver.delay
         finally:

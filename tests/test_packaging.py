@@ -48,7 +48,9 @@ def compose_command() -> list[str]:
     legacy = shutil.which("docker-compose")
     if legacy is not None:
         return [legacy]
-    pytest.fail("neither `docker compose` nor `docker-compose` is installed (scripts/bootstrap.sh installs it)")
+    pytest.fail(
+        "neither `docker compose` nor `docker-compose` is installed (scripts/bootstrap.sh installs it)"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,9 @@ def deployment() -> dict[str, Any]:
 
 def test_the_dockerfile_is_slim_multi_stage_and_runs_the_pod_as_non_root() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    instructions = [line.split(None, 1) for line in text.splitlines() if line and not line.startswith((" ", "#"))]
+    instructions = [
+        line.split(None, 1) for line in text.splitlines() if line and not line.startswith((" ", "#"))
+    ]
     words = [i[0] for i in instructions]
     args = dict(i[1].split("=", 1) for i in instructions if i[0] == "ARG" and "=" in i[1])
     assert "-slim" in args.get("PYTHON_IMAGE", ""), args
@@ -120,7 +124,9 @@ def test_the_compose_file_validates_with_kafka_in_kraft_mode(compose_config: dic
             assert published.startswith("127.0.0.1:"), port  # nothing is exposed beyond the laptop
 
 
-def test_every_compose_env_name_is_a_config_row_and_the_values_are_valid(compose_config: dict[str, Any]) -> None:
+def test_every_compose_env_name_is_a_config_row_and_the_values_are_valid(
+    compose_config: dict[str, Any],
+) -> None:
     for name in ("pod", "producer", "outcomes"):
         env = {k: str(v) for k, v in compose_config["services"][name]["environment"].items()}
         assert set(env) <= KNOWN_ENV, set(env) - KNOWN_ENV
@@ -271,7 +277,11 @@ def test_the_manifests_pass_a_server_side_dry_run(kube_admin: Any) -> None:
         assert applied.metadata.name == doc["metadata"]["name"]
     # The namespace enforces the restricted Pod Security Standard: the pod template must pass it.
     template = deployment()["spec"]["template"]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "sandbox-lanes-dry-run", **template["metadata"]}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "sandbox-lanes-dry-run", **template["metadata"]},
+    }
     pod["spec"] = template["spec"]
     pods = dyn.resources.get(api_version="v1", kind="Pod")
     created = dyn.create(pods, body=pod, namespace="sandbox-lanes", dry_run="All", query_params=list(strict))

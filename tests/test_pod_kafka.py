@@ -8,11 +8,7 @@ processes in /proc.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,21 +29,9 @@ from tests.pod_harness import (
     running_pod,
     unique_env,
 )
-from tests.proc_util import processes_under, runner_pids
+from tests.proc_util import runner_pids
 
-pytestmark = pytest.mark.kafka
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_runners(tmp_path: Path) -> Iterator[None]:
-    """Every runner a test starts is gone when it ends; a leak fails the test (and is cleaned up)."""
-    yield
-    PodProcess.kill_all()
-    leaked = processes_under(tmp_path)
-    for pid in leaked:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert leaked == [], f"runner processes leaked: {leaked}"
+pytestmark = [pytest.mark.kafka, pytest.mark.usefixtures("no_leaked_runners")]
 
 
 #: Ids are unique per run, so concurrent or earlier runs never see each other's processes.
@@ -101,7 +85,12 @@ async def test_end_to_end_both_lanes_with_real_runner_processes(
     env = unique_env(kafka_bootstrap, tmp_path, SANDBOX_LANES_PROCESSING_GUARANTEE=guarantee)
     topics = load_settings(env).topics
     async with running_pod(env):
-        await produce(kafka_bootstrap, env, wf_created(f"wfx_e2e_{RUN}"), agent_created(f"axr_e2e_{RUN}", f"ses_e2e_{RUN}"))
+        await produce(
+            kafka_bootstrap,
+            env,
+            wf_created(f"wfx_e2e_{RUN}"),
+            agent_created(f"axr_e2e_{RUN}", f"ses_e2e_{RUN}"),
+        )
         provisioned = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
         assert sorted(outcome_types(provisioned)) == ["SandboxProvisioned", "SandboxProvisioned"]
         by_scope = {r.message.sandbox.scope: r.message for r in provisioned}  # type: ignore[union-attr]
@@ -112,7 +101,9 @@ async def test_end_to_end_both_lanes_with_real_runner_processes(
             "running",
         )
         assert by_scope[common_pb2.SANDBOX_SCOPE_SESSION].sandbox.task_queue == f"session:ses_e2e_{RUN}"
-        assert len(runner_pids(f"wfexec:wfx_e2e_{RUN}")) == 1 and len(runner_pids(f"session:ses_e2e_{RUN}")) == 1
+        assert (
+            len(runner_pids(f"wfexec:wfx_e2e_{RUN}")) == 1 and len(runner_pids(f"session:ses_e2e_{RUN}")) == 1
+        )
 
         await produce(
             kafka_bootstrap,

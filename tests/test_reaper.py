@@ -8,15 +8,12 @@ foreign process or container) must survive every pass.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +31,7 @@ from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 from scripts.dockerd import Dockerd
 from tests.pod_harness import ROOT, PodProcess, produce, read_topic, running_pod, unique_env
-from tests.proc_util import processes_under, runner_pids
+from tests.proc_util import runner_pids
 
 LOG = logging.getLogger("tests.reaper")
 RUN = uuid.uuid4().hex[:8]
@@ -181,17 +178,6 @@ def wf_phase(execution_id: str, previous: int, new: int) -> inputs_pb2.PhaseChan
         previous_phase=previous,
         new_phase=new,  # type: ignore[arg-type]
     )
-
-
-@pytest.fixture
-def no_leaked_runners(tmp_path: Path) -> Iterator[None]:
-    yield
-    PodProcess.kill_all()
-    leaked = processes_under(tmp_path)
-    for pid in leaked:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert leaked == [], f"runner processes leaked: {leaked}"
 
 
 def reap_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

@@ -7,14 +7,11 @@ precisely; replay never builds the configured driver and starts no sandbox.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,22 +21,11 @@ from consumers.replay import Window, lane_config, replay
 from consumers.settings import load_settings
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
-from tests.pod_harness import ROOT, PodProcess, produce, produce_raw, read_topic, running_pod, unique_env
+from tests.pod_harness import ROOT, produce, produce_raw, read_topic, running_pod, unique_env
 from tests.proc_util import processes_under
 
 pytestmark = pytest.mark.kafka
 RUN = uuid.uuid4().hex[:8]
-
-
-@pytest.fixture
-def no_leaked_runners(tmp_path: Path) -> Iterator[None]:
-    yield
-    PodProcess.kill_all()
-    leaked = processes_under(tmp_path)
-    for pid in leaked:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert leaked == [], f"runner processes leaked: {leaked}"
 
 
 def created(

@@ -17,13 +17,11 @@ import contextlib
 import os
 import re
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +33,11 @@ from drivers.naming import LABEL_SANDBOX_ID
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 from tests.pod_harness import ROOT, PodProcess, Received, produce, read_topic, unique_env
-from tests.proc_util import processes_under, runner_pids
+from tests.proc_util import runner_pids
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.usefixtures("no_leaked_runners")]
 RUN = uuid.uuid4().hex[:8]
 JWT = re.compile(rb"eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}")
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_runners(tmp_path: Path) -> Iterator[None]:
-    yield
-    PodProcess.kill_all()
-    leaked = processes_under(tmp_path)
-    for pid in leaked:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert leaked == [], f"runner processes leaked: {leaked}"
 
 
 def _free_port() -> int:

@@ -8,13 +8,9 @@ execution has exactly one outcome and no outcome id appears twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import signal
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,24 +20,13 @@ from consumers.settings import load_settings
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 from tests.pod_harness import PodProcess, Received, produce, read_topic, unique_env
-from tests.proc_util import processes_under, runner_pids
+from tests.proc_util import runner_pids
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.usefixtures("no_leaked_runners")]
 RUN = uuid.uuid4().hex[:8]
 BOUND_S = 10.0
 #: Interpreter start-up/exit around the pod's own bound.
 SLACK_S = 4.0
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_runners(tmp_path: Path) -> Iterator[None]:
-    yield
-    PodProcess.kill_all()
-    leaked = processes_under(tmp_path)
-    for pid in leaked:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    assert leaked == [], f"runner processes leaked: {leaked}"
 
 
 def created(execution_id: str) -> inputs_pb2.ExecutionCreated:

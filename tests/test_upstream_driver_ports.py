@@ -72,7 +72,9 @@ CONFIG = DriverConfig(
 
 
 def test_names_labels_and_configures_the_container_plain_settings_by_value() -> None:
-    contract = build_runner_env(CONFIG, SandboxEnvironment("session:ses_1", "tok"), workspace_dir="/workspace", home="/root")
+    contract = build_runner_env(
+        CONFIG, SandboxEnvironment("session:ses_1", "tok"), workspace_dir="/workspace", home="/root"
+    )
     assert contract.plain["STIGMER_TASK_QUEUE"] == "session:ses_1"
     assert contract.plain["RUNNER_SETTING"] == "plain-value"
     assert contract.plain["MODE"] == "local" and contract.plain["WORKSPACE_ROOT_DIR"] == "/workspace"
@@ -93,7 +95,9 @@ def test_passes_every_credential_through_the_secret_channel_only() -> None:
 
 
 def test_carries_no_token_when_none_was_minted_and_the_public_address_when_one_is_named() -> None:
-    bare = DriverConfig(backend_endpoint="http://b", temporal_address="t:1", mcp_public_endpoint="https://mcp.example")
+    bare = DriverConfig(
+        backend_endpoint="http://b", temporal_address="t:1", mcp_public_endpoint="https://mcp.example"
+    )
     contract = build_runner_env(bare, SandboxEnvironment("q", ""), workspace_dir="/workspace")
     assert contract.secret == {}
     assert contract.plain["STIGMER_MCP_PUBLIC_ENDPOINT"] == "https://mcp.example"
