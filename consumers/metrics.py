@@ -76,11 +76,19 @@ class PodMetrics:
         # vocabularies, so the children are looked up once and kept (the registry keeps them too).
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._driver_children: dict[tuple[str, str, str], Histogram] = {}
+        self._consumed_children: dict[str, Counter] = {}
 
     def _decision(self, lane: str, outcome: str) -> Counter:
         child = self._decision_children.get((lane, outcome))
         if child is None:
             child = self._decision_children[(lane, outcome)] = self.decisions.labels(lane, outcome)
+        return child
+
+    def consumed(self, event_type: str) -> Counter:
+        """``events_consumed.labels(event_type)``, cached (it is counted once per record)."""
+        child = self._consumed_children.get(event_type)
+        if child is None:
+            child = self._consumed_children[event_type] = self.events_consumed.labels(event_type)
         return child
 
     def driver_observer(self, driver: str, operation: str, result: str) -> Histogram:

@@ -31,6 +31,7 @@ from consumers.state_store import StateStore
 from consumers.topology import Topics, ensure_topics
 from events.codec import (
     MAX_PAYLOAD_BYTES,
+    TYPE_PREFIX,
     DecodeError,
     EncodedRecord,
     decode_input,
@@ -430,8 +431,6 @@ class Pod:
         except DecodeError as exc:
             await self._dead_letter(rec, exc.reason)
             return False
-        self.stats.consumed[type_name(event)] += 1
-        self.metrics.events_consumed.labels(type_name(event).rsplit(".", 1)[-1]).inc()
         key = record_key(event)
         slot = (rec.partition, key)
         stored = overlay.get(slot)
@@ -452,6 +451,10 @@ class Pod:
         ):
             return True  # its create may still be ahead on the execution-created topic
         self._deferred_since.pop((rec.topic, rec.partition, rec.offset), None)
+        # Counted once it is applied or dead-lettered, not on every look while it is held back.
+        event_type = event.DESCRIPTOR.name
+        self.stats.consumed[TYPE_PREFIX + event_type] += 1
+        self.metrics.consumed(event_type).inc()
         self.metrics.record_decision(decision, processed.outcome, self.processor.config.driver_name)
         if decision.reject is not None:
             await self._dead_letter(rec, decision.reject)
