@@ -79,11 +79,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_produce(args: argparse.Namespace) -> int:
-    from consumers.tools import load_events, produce
+    from consumers.tools import InputFileError, load_events, produce
 
     settings = load_settings()
     setup_logging(args.log_level)
-    messages = load_events(Path(args.file))
+    try:
+        messages = load_events(Path(args.file))
+    except InputFileError as exc:
+        print(f"sandbox-lanes produce: {exc}", file=sys.stderr)
+        return 2
     count = asyncio.run(produce(args.bootstrap or settings.bootstrap, messages, settings.topics))
     print(f"produced {count} events to {args.bootstrap or settings.bootstrap}")
     return 0

@@ -39,16 +39,23 @@ def topic_for(message: Message, topics: Topics) -> str:
     raise ValueError(f"{type(message).__name__} is not an input event")
 
 
+class InputFileError(ValueError):
+    """An events file that cannot be read; the message names the file and the event."""
+
+
 def load_events(path: Path) -> list[Message]:
     """Read ``[{type: ExecutionCreated, ...fields}]`` (or ``{events: [...]}``) from JSON or YAML."""
-    raw: Any = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+    try:
+        raw: Any = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
+    except (OSError, yaml.YAMLError) as exc:
+        raise InputFileError(f"{path}: {exc}") from exc
     items = raw.get("events", raw) if isinstance(raw, dict) else raw
     if not isinstance(items, list):
-        raise ValueError(f"{path}: expected a list of events or a mapping with 'events'")
+        raise InputFileError(f"{path}: expected a list of events or a mapping with 'events'")
     messages: list[Message] = []
     for index, item in enumerate(items):
         if not isinstance(item, dict) or "type" not in item:
-            raise ValueError(f"{path}: event #{index} needs a 'type' ({', '.join(_input_names())})")
+            raise InputFileError(f"{path}: event #{index} needs a 'type' ({', '.join(_input_names())})")
         data = {k: v for k, v in item.items() if k != "type"}
         meta = dict(data.get("meta") or {})
         meta.setdefault("event_id", f"{path.stem}-{index}")
@@ -58,7 +65,7 @@ def load_events(path: Path) -> list[Message]:
         try:
             messages.append(from_dict(str(item["type"]), data))
         except Exception as exc:
-            raise ValueError(f"{path}: event #{index}: {exc}") from exc
+            raise InputFileError(f"{path}: event #{index}: {exc}") from exc
     return messages
 
 
