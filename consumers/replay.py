@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import ConsumerRecord, TopicPartition
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
@@ -58,6 +58,7 @@ from consumers.progress import progress
 from consumers.reaper import partitions_of
 from consumers.rules import Command, CommandResult, Ensure, LaneConfig, StateView
 from consumers.settings import Settings
+from consumers.topic_reader import read_to_end
 from consumers.topology import Topics
 from events.codec import (
     OUTCOME_TYPES,
@@ -86,44 +87,16 @@ async def read_topics(
     topics: Iterable[str],
     *,
     isolation_level: str = "read_committed",
-    end: Mapping[TopicPartition, int] | None = None,
     timeout_s: float = 300.0,
-) -> tuple[dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]], dict[TopicPartition, int]]:
-    """Every record of ``topics`` from the beginning up to the end offsets (now, or ``end``)."""
+) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+    """Every record of ``topics`` from the beginning up to their end offsets as reading starts."""
     names = list(topics)
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap,
-        group_id=None,
-        enable_auto_commit=False,
-        isolation_level=isolation_level,
-        auto_offset_reset="earliest",
-        max_partition_fetch_bytes=4 * 1024 * 1024,
-    )
-    await consumer.start()
-    out: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = {}
-    try:
-        known = await partitions_of(bootstrap, names)
-        tps = [TopicPartition(t, p) for t in names for p in known.get(t, [])]
-        if not tps:
-            return {}, {}
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
-        ends = dict(end) if end is not None else await consumer.end_offsets(tps)
-        out = {tp: [] for tp in tps}
-        pending = {tp for tp in tps if ends.get(tp, 0) > 0}
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {sorted({tp.topic for tp in pending})} timed out")
-            batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
-            for tp, recs in batch.items():
-                out[tp].extend(r for r in recs if r.offset < ends[tp])
-            for tp in list(pending):
-                if await consumer.position(tp) >= ends[tp]:
-                    pending.discard(tp)
-        return out, ends
-    finally:
-        await consumer.stop()
+    known = await partitions_of(bootstrap, names)
+    tps = [TopicPartition(t, p) for t in names for p in known.get(t, [])]
+    out: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = {tp: [] for tp in tps}
+    async for tp, recs in read_to_end(bootstrap, tps, isolation_level=isolation_level, timeout_s=timeout_s):
+        out[tp].extend(recs)
+    return out
 
 
 def merged_inputs(
@@ -316,10 +289,10 @@ async def replay(
     window = window or Window()
     isolation = "read_committed" if guarantee == "exactly_once" else "read_uncommitted"
     snapshot_ms = int(time.time() * 1000)
-    inputs_by_tp, _ = await read_topics(bootstrap, topics.inputs, isolation_level=isolation)
-    outcome_recs, _ = await read_topics(bootstrap, [topics.outcomes], isolation_level=isolation)
-    dlq_recs, _ = await read_topics(bootstrap, [topics.dead_letter], isolation_level=isolation)
-    state_recs, _ = await read_topics(bootstrap, [topics.state], isolation_level=isolation)
+    inputs_by_tp = await read_topics(bootstrap, topics.inputs, isolation_level=isolation)
+    outcome_recs = await read_topics(bootstrap, [topics.outcomes], isolation_level=isolation)
+    dlq_recs = await read_topics(bootstrap, [topics.dead_letter], isolation_level=isolation)
+    state_recs = await read_topics(bootstrap, [topics.state], isolation_level=isolation)
     report = ReplayReport(window=window.describe())
 
     # Recorded outcomes by id (in topic order).

@@ -14,9 +14,10 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import TopicPartition
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 
+from consumers.topic_reader import read_to_end
 from events.codec import decode_state
 from events.sandbox_lanes.v1 import state_pb2
 
@@ -74,51 +75,27 @@ class StateStore:
         started = time.monotonic()
         if not wanted:
             return RestoreReport(0, 0, 0, 0.0)
-        consumer = AIOKafkaConsumer(
-            bootstrap_servers=bootstrap,
-            group_id=None,
-            enable_auto_commit=False,
-            isolation_level=isolation_level,
-            auto_offset_reset="earliest",
-            max_partition_fetch_bytes=4 * 1024 * 1024,
-        )
-        await consumer.start()
         records = 0
         fresh: dict[int, dict[str, bytes]] = {p: {} for p in wanted}
-        try:
-            tps = [TopicPartition(self.topic, p) for p in wanted]
-            consumer.assign(tps)
-            await consumer.seek_to_beginning(*tps)
-            end = await consumer.end_offsets(tps)
-            pending = {tp for tp in tps if end[tp] > 0}
-            deadline = started + timeout_s
-            while pending:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"state restore of {self.topic} did not reach the end in {timeout_s:g}s"
+        tps = [TopicPartition(self.topic, p) for p in wanted]
+        async for tp, recs in read_to_end(
+            bootstrap, tps, isolation_level=isolation_level, timeout_s=timeout_s
+        ):
+            for rec in recs:
+                records += 1
+                key = rec.key.decode("utf-8", errors="replace") if rec.key else ""
+                if rec.value is None:
+                    fresh[tp.partition].pop(key, None)
+                    continue
+                try:
+                    decode_state(rec.value)  # only what decodes is kept
+                    fresh[tp.partition][key] = rec.value
+                except ProtobufDecodeError:
+                    logger.error(
+                        "state record does not decode, skipped",
+                        extra={"partition": tp.partition, "offset": rec.offset, "executionId": key},
                     )
-                batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
-                for tp, recs in batch.items():
-                    for rec in recs:
-                        records += 1
-                        key = rec.key.decode("utf-8", errors="replace") if rec.key else ""
-                        if rec.value is None:
-                            fresh[tp.partition].pop(key, None)
-                            continue
-                        try:
-                            decode_state(rec.value)  # only what decodes is kept
-                            fresh[tp.partition][key] = rec.value
-                        except ProtobufDecodeError:
-                            logger.error(
-                                "state record does not decode, skipped",
-                                extra={"partition": tp.partition, "offset": rec.offset, "executionId": key},
-                            )
-                for tp in list(pending):
-                    if await consumer.position(tp) >= end[tp]:
-                        pending.discard(tp)
-                await asyncio.sleep(0)
-        finally:
-            await consumer.stop()
+            await asyncio.sleep(0)
         self._partitions.update(fresh)
         report = RestoreReport(
             len(wanted), records, sum(len(v) for v in fresh.values()), time.monotonic() - started

@@ -1,0 +1,54 @@
+"""Read topic partitions from the beginning up to their end offsets: state restore, replay, reap.
+
+"The end" is taken once, when reading starts (for ``read_committed`` that is the last
+stable offset), so a reader of a busy topic still finishes. Records are handed out
+batch by batch, so a caller that folds them (the state restore) never holds a whole topic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+
+
+async def read_to_end(
+    bootstrap: str,
+    partitions: Sequence[TopicPartition],
+    *,
+    isolation_level: str = "read_committed",
+    timeout_s: float = 300.0,
+) -> AsyncIterator[tuple[TopicPartition, list[ConsumerRecord[bytes, bytes]]]]:
+    """Yield ``(partition, records)`` batches until every partition reached its end offset."""
+    if not partitions:
+        return
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        enable_auto_commit=False,
+        isolation_level=isolation_level,
+        auto_offset_reset="earliest",
+        max_partition_fetch_bytes=4 * 1024 * 1024,
+    )
+    await consumer.start()
+    try:
+        consumer.assign(list(partitions))
+        await consumer.seek_to_beginning(*partitions)
+        ends = await consumer.end_offsets(list(partitions))
+        pending = {tp for tp in partitions if ends[tp] > 0}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                topics = sorted({tp.topic for tp in pending})
+                raise TimeoutError(f"reading {topics} did not reach the end in {timeout_s:g}s")
+            batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
+            for tp, recs in batch.items():
+                kept = [r for r in recs if r.offset < ends[tp]]
+                if kept:
+                    yield tp, kept
+            for tp in list(pending):
+                if await consumer.position(tp) >= ends[tp]:
+                    pending.discard(tp)
+    finally:
+        await consumer.stop()
