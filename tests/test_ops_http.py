@@ -168,13 +168,20 @@ async def test_metrics_health_and_readiness_of_a_running_pod(kafka_bootstrap: st
         "sandbox_lanes_state_restored_keys",
     } <= families
     idle = samples(text)
-    # The lag gauge is refreshed on scrape: every assigned input partition, even one never fetched from.
-    lag = {
-        (dict(labels)["topic"], dict(labels)["partition"]): v
-        for (name, labels), v in idle.items()
-        if name == "sandbox_lanes_consumer_lag"
-    }
-    assert lag == {(t, p): 0.0 for t in topics.inputs for p in ("0", "1")}
+    # The lag gauge is refreshed on scrape, for every assigned input partition once the consumer
+    # knows its high watermark (after its first fetch response, which a loaded machine may delay).
+    expected_lag = {(t, p): 0.0 for t in topics.inputs for p in ("0", "1")}
+
+    async def idle_lag_is_zero_everywhere() -> bool:
+        scraped = samples((await http_get(port, "/metrics"))[2])
+        lag = {
+            (dict(labels)["topic"], dict(labels)["partition"]): v
+            for (name, labels), v in scraped.items()
+            if name == "sandbox_lanes_consumer_lag"
+        }
+        return lag == expected_lag
+
+    await eventually(idle_lag_is_zero_everywhere)
     assert value(idle, "sandbox_lanes_state_store_keys") == 0
 
     await produce(
