@@ -283,7 +283,6 @@ class Pod:
                 await self._restore_missing(partitions)
             finally:
                 self._restoring = False
-        self.metrics.state_keys.set(len(self.store))
         self.ready.set()
 
     def health(self, stall_after_s: float = 30.0) -> Health:
@@ -318,6 +317,7 @@ class Pod:
             self.stats.restore_seconds += report.seconds
             self.metrics.restored_keys.inc(report.keys)
             self.metrics.restore_seconds.set(report.seconds)
+            self.metrics.state_keys.set(len(self.store))
 
     # --- the loop ----------------------------------------------------------------------------
 
