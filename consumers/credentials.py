@@ -185,7 +185,9 @@ class ExecutionScopedRunnerCredentialProvider:
             claims = json.loads(_b64url_decode(parts[1]))
         except (ValueError, binascii.Error) as exc:
             raise InvalidTokenError() from exc
-        binding = claims.get("execution_id") if isinstance(claims, dict) else None
+        if not isinstance(claims, dict):  # a signed body that is not a JSON object
+            raise InvalidTokenError()
+        binding = claims.get("execution_id")
         if claims.get("token_type") != TOKEN_TYPE_EXECUTION_SCOPED or not binding:
             raise InvalidTokenError()
         exp = claims.get("exp")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import sys
 import time
 
@@ -12,9 +13,18 @@ import pytest
 from consumers.progress import progress
 
 
-def _read_all(fd: int) -> str:
+def _read_all(fd: int, idle: float = 0.5, limit: float = 10.0) -> str:
+    """Everything written to the pty so far.
+
+    The kernel hands slave writes to the master asynchronously (the tty flip buffer), so one
+    short read is not the end of the output: read until nothing more arrives for `idle` seconds.
+    """
     chunks = []
-    while True:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], idle)
+        if not ready:
+            break
         try:
             data = os.read(fd, 65536)
         except OSError:
@@ -22,8 +32,6 @@ def _read_all(fd: int) -> str:
         if not data:
             break
         chunks.append(data)
-        if len(data) < 65536:
-            break
     return b"".join(chunks).decode(errors="replace")
 
 

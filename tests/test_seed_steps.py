@@ -180,6 +180,10 @@ async def test_session_lane_the_pre_stamp_is_first_non_empty_wins_an_existing_er
     assert processed.outcome is not None and processed.outcome.state is not None
     assert processed.outcome.state.status_error == "the real root cause"
     assert stored.status_error == "the real root cause"  # the input state is never mutated
+    # The failure path did run: the attempt is reported, only the stamp kept the first error.
+    (failed,) = processed.outcome.outputs
+    assert isinstance(failed, outcomes_pb2.SandboxFailed)
+    assert failed.reason == "second failure" and not failed.critical
 
 
 # --- the workflow lane ---------------------------------------------------------------------------

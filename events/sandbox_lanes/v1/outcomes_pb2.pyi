@@ -70,7 +70,9 @@ class SandboxFailed(_message.Message):
     """Workflow lane: true, the create is refused. Session lane: false."""
     code: _common_pb2.StatusCode.ValueType
     message: _builtins.str
-    """Upstream's refusal message on the critical lane; the stamped status.error on the session lane."""
+    """Upstream's refusal message on the critical lane. On the session lane, the pre-stamp text of this
+    failure; the execution's status.error keeps it only when it was empty (first non-empty wins).
+    """
     @_builtins.property
     def meta(self) -> _common_pb2.EventMeta: ...
     @_builtins.property
