@@ -325,6 +325,40 @@ async def test_a_foreign_container_under_our_name_is_a_clear_error(
     assert attrs["Id"] == foreign and attrs["State"]["Running"] is False, "the foreign container is untouched"
 
 
+async def test_a_running_container_another_tool_started_under_our_name_is_refused_and_left_alone(
+    make: Factory,
+    client: Any,
+    docker_image: str,
+    dockerd: Dockerd,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A squatter started by testcontainers (its own labels, running) on the same engine."""
+    from testcontainers.core.config import testcontainers_config
+    from testcontainers.core.container import DockerContainer
+
+    # Ryuk, testcontainers' own reaper, is an image from a registry this machine cannot reach.
+    monkeypatch.setattr(testcontainers_config, "ryuk_disabled", True)
+    monkeypatch.setenv("DOCKER_HOST", dockerd.socket_url)
+    name = sandbox_base_name("workflow", "wfx_squatted")
+    squatter = DockerContainer(
+        docker_image, name=name, entrypoint="sleep", command="300", network_mode="none"
+    )
+    await asyncio.to_thread(squatter.start)
+    try:
+        p = make()
+        with pytest.raises(SandboxError, match=f"'{name}' is taken by a container that is not the managed"):
+            await p.ensure_workflow_sandbox("wfx_squatted", _env("wfexec:wfx_squatted"))
+        with pytest.raises(SandboxError, match="refusing"):
+            await p.deprovision_workflow_sandbox("wfx_squatted")
+        assert name not in [m.name for m in await p.list_managed()], "the reaper would never see it"
+        attrs = await asyncio.to_thread(_inspect, client, name)
+        assert attrs["State"]["Running"] is True, "the squatter is untouched"
+        assert attrs["Config"]["Labels"].get("org.testcontainers") == "true"
+        assert LABEL_MANAGED_BY not in attrs["Config"]["Labels"]
+    finally:
+        await asyncio.to_thread(squatter.stop)
+
+
 async def test_a_stopped_sandbox_is_restarted_as_it_is(
     make: Factory, client: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
