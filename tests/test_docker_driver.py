@@ -255,6 +255,20 @@ def _precreate(client: Any, image: str, name: str, labels: dict[str, str]) -> st
     return str(container.id)
 
 
+def _inspect_misses_once(p: DockerProvisioner, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A race: the driver's first inspect of ``name`` misses, so its create meets the engine's 409."""
+    real_inspect = p._inspect
+    misses = [name]
+
+    async def racy_inspect(n: str) -> dict[str, Any] | None:
+        if n in misses:
+            misses.remove(n)
+            return None
+        return await real_inspect(n)
+
+    monkeypatch.setattr(p, "_inspect", racy_inspect)
+
+
 async def test_a_stopped_container_of_ours_is_adopted_and_started(
     make: Factory,
     client: Any,
@@ -278,16 +292,7 @@ async def test_a_stopped_container_of_ours_is_adopted_and_started(
     name2 = sandbox_base_name("session", "ses_adopt409")
     labels2 = {**labels, LABEL_SANDBOX_ID: "ses_adopt409"}
     existing2 = await asyncio.to_thread(_precreate, client, docker_image, name2, labels2)
-    real_inspect = p._inspect
-    misses = [name2]
-
-    async def racy_inspect(n: str) -> dict[str, Any] | None:
-        if n in misses:
-            misses.remove(n)
-            return None
-        return await real_inspect(n)
-
-    monkeypatch.setattr(p, "_inspect", racy_inspect)
+    _inspect_misses_once(p, name2, monkeypatch)
     await p.ensure_session_sandbox("ses_adopt409", _env("session:ses_adopt409"))
     attrs2 = await asyncio.to_thread(_inspect, client, name2)
     assert attrs2["Id"] == existing2 and attrs2["State"]["Running"] is True
@@ -309,16 +314,7 @@ async def test_a_foreign_container_under_our_name_is_a_clear_error(
     with pytest.raises(SandboxError, match="is taken"):
         await p.probe("session", "ses_foreign")
     # Through the 409 path too: inspect misses once (a race), the engine's create conflicts.
-    real_inspect = p._inspect
-    misses = [name]
-
-    async def racy_inspect(n: str) -> dict[str, Any] | None:
-        if n in misses:
-            misses.remove(n)
-            return None
-        return await real_inspect(n)
-
-    monkeypatch.setattr(p, "_inspect", racy_inspect)
+    _inspect_misses_once(p, name, monkeypatch)
     with pytest.raises(SandboxError, match="is taken"):
         await p.ensure_session_sandbox("ses_foreign", _env("session:ses_foreign"))
     attrs = await asyncio.to_thread(_inspect, client, name)
