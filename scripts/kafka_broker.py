@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -29,8 +28,10 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+
+from scripts.cache import cache_root, locked
 
 KAFKA_VERSION = "4.4.0"
 LOG4J_VERSION = "2.25.5"  # matches the log4j-core that kafka_2.13 4.4.0 depends on
@@ -86,24 +87,11 @@ class KafkaBrokerError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("SANDBOX_LANES_CACHE")
-    root = Path(base) if base else Path.home() / ".cache" / "sandbox-lanes"
-    return root / f"kafka-{KAFKA_VERSION}"
+    return cache_root() / f"kafka-{KAFKA_VERSION}"
 
 
 def _fingerprint() -> str:
     return hashlib.sha256((POM_XML + LOG4J2_XML).encode()).hexdigest()
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def prepare(directory: Path | None = None) -> Path:
@@ -112,7 +100,7 @@ def prepare(directory: Path | None = None) -> Path:
     marker = directory / ".complete"
     if marker.is_file() and marker.read_text() == _fingerprint():
         return directory
-    with _locked(directory / ".lock"):
+    with locked(directory / ".lock"):
         if marker.is_file() and marker.read_text() == _fingerprint():
             return directory
         marker.unlink(missing_ok=True)

@@ -44,6 +44,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from scripts.cache import cache_root
+
 DEFAULT_VERSION = "v1.34.4"
 ETCD_BINARY = "etcd"
 UNPRIVILEGED_USER = "sandbox-lanes-unprivileged"
@@ -51,13 +53,6 @@ ADMIN_USER = "sandbox-lanes-admin"
 
 
 # --------------------------------------------------------------------------- build
-
-
-def cache_root() -> Path:
-    override = os.environ.get("SANDBOX_LANES_CACHE")
-    if override:
-        return Path(override).expanduser()
-    return Path.home() / ".cache" / "sandbox-lanes"
 
 
 def kube_version() -> str:
