@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what sandbox-lanes needs on a fresh Debian machine, idempotently:
 #   - system packages (only when missing): dockerd (docker.io), docker-compose, etcd, busybox-static,
-#     openssl, Java, Maven, Go
+#     debootstrap, openssl, Java, Maven, Go
 #   - a virtualenv at .venv with the project and its test dependencies
 # Usage: scripts/bootstrap.sh [--system] [--python]   (no flag = both)
 set -euo pipefail
@@ -28,6 +28,8 @@ if [[ $want_system -eq 1 ]]; then
   docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || missing+=(docker-compose)
   command -v etcd >/dev/null || missing+=(etcd-server)
   [[ -x /bin/busybox ]] || missing+=(busybox-static)
+  # the pod image test builds its Python base from Debian packages (scripts/python_base_image.py)
+  command -v debootstrap >/dev/null || [[ -x /usr/sbin/debootstrap ]] || missing+=(debootstrap)
   command -v openssl >/dev/null || missing+=(openssl)
   command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
   command -v mvn >/dev/null || missing+=(maven)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite from nothing: system packages, Python deps, Apache Kafka 4.4.0 (via Maven),
-# kube-apiserver (built from source via the Go module proxy), then pytest. The Kafka broker,
+# kube-apiserver (built from source via the Go module proxy), a Debian Python base rootfs for the pod
+# image test (debootstrap), then pytest. The Kafka broker,
 # dockerd and kube-apiserver+etcd are started by pytest session fixtures and stopped at the end.
 # Caches live outside the repo, in ${SANDBOX_LANES_CACHE:-~/.cache/sandbox-lanes}.
 set -euo pipefail
@@ -12,6 +13,8 @@ echo "[test] fetching Apache Kafka 4.4.0 with Maven (cached)" >&2
 .venv/bin/python -m scripts.kafka_broker prepare
 echo "[test] building kube-apiserver from source (cached)" >&2
 .venv/bin/python -m scripts.kube_apiserver build
+echo "[test] building the Debian Python base for the pod image test (cached)" >&2
+.venv/bin/python -m scripts.python_base_image prepare
 echo "[test] lint and types" >&2
 .venv/bin/ruff check consumers events drivers scripts tests
 .venv/bin/mypy consumers events drivers

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,9 @@ def test_the_dockerfile_is_slim_multi_stage_and_runs_the_pod_as_non_root() -> No
     copied = {i[1].split()[0] for i in instructions if i[0] == "COPY" and "--from" not in i[1]}
     for source in copied:
         assert f"!{source.rstrip('/')}/" in ignore or f"!{source}" in ignore, source
+    # `pip install .` in the build stage needs every package pyproject lists (a missing one fails the build).
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert {p.split(".")[0] for p in packages} <= copied, copied
 
 
 # --- compose ---------------------------------------------------------------------------------------

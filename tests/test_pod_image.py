@@ -1,0 +1,126 @@
+"""The pod image: the repo's Dockerfile built for real on the harness's engine, then run against real Kafka.
+
+The base is a local stand-in for python:3.11-slim-bookworm (scripts/python_base_image.py: Debian
+bookworm's Python 3.11 via debootstrap), passed as the Dockerfile's PYTHON_IMAGE build argument; the
+Dockerfile is built unchanged. The engine has no bridge, so the build's `pip install` and the running
+pod use the host's network (loopback Kafka, loopback HTTP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+from consumers.settings import load_settings
+from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2
+from scripts.dockerd import Dockerd
+from scripts.python_base_image import import_base_image
+from tests.pod_harness import ROOT, produce, read_topic, unique_env
+from tests.test_pod_drivers_e2e import completed, created
+
+pytestmark = [pytest.mark.docker, pytest.mark.kafka]
+
+IMAGE = "sandbox-lanes:image-test"
+
+
+def _build(client: Any) -> tuple[dict[str, Any], str]:
+    base = import_base_image(client)
+    log: list[str] = []
+    for chunk in client.api.build(
+        path=str(ROOT),
+        tag=IMAGE,
+        buildargs={"PYTHON_IMAGE": base},
+        network_mode="host",
+        rm=True,
+        forcerm=True,
+        decode=True,
+    ):
+        log.append(chunk.get("stream", "") or chunk.get("error", ""))
+        if "error" in chunk:
+            pytest.fail(f"docker build failed: {chunk['error']}\n{''.join(log)[-4000:]}", pytrace=False)
+    attrs: dict[str, Any] = client.api.inspect_image(IMAGE)
+    return attrs, "".join(log)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _get(url: str, timeout_s: float) -> tuple[int, dict[str, Any]]:
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with await asyncio.to_thread(urllib.request.urlopen, url, timeout=2) as response:
+                return response.status, json.loads(response.read())
+        except Exception as exc:  # not listening yet, or 503 while restoring
+            last = exc
+            await asyncio.sleep(0.5)
+    raise AssertionError(f"{url} never answered 200: {last}")
+
+
+@pytest.mark.timeout(1800)  # the build copies every layer on the vfs storage driver: several minutes
+async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events_and_stops_on_sigterm(
+    dockerd: Dockerd, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    client = docker.DockerClient(base_url=dockerd.socket_url, version="auto", timeout=900)
+    attrs, _ = await asyncio.to_thread(_build, client)
+    config = attrs["Config"]
+    assert config["User"] == "10001:10001"
+    assert config["Entrypoint"] == ["sandbox-lanes"] and config["Cmd"] == ["run"]
+    assert "8080/tcp" in config["ExposedPorts"]
+    assert "/healthz" in " ".join(config["Healthcheck"]["Test"])
+    assert config["StopSignal"] == "SIGTERM"
+
+    port = _free_port()
+    env = unique_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_PROVISIONER_TYPE="memory",  # an entry-point driver: the image's installed metadata is used
+        SANDBOX_LANES_DRIVER_OPTIONS="",
+        SANDBOX_LANES_HTTP_HOST="127.0.0.1",
+        SANDBOX_LANES_HTTP_PORT=str(port),
+        SANDBOX_LANES_POD_ID="image-pod",
+    )
+    env.pop("STIGMER_SANDBOX_RUNNER_COMMAND")
+    topics = load_settings(env).topics
+    container = await asyncio.to_thread(
+        client.containers.run, IMAGE, detach=True, network_mode="host", environment=env
+    )
+    try:
+        status, health = await _get(f"http://127.0.0.1:{port}/readyz", timeout_s=90)
+        assert status == 200 and health["ready"] is True, health
+        processes = await asyncio.to_thread(client.api.top, container.id)
+        users = {row[processes["Titles"].index("UID")] for row in processes["Processes"]}
+        assert users == {"10001"}, processes
+
+        execution_id = f"wfx_img_{uuid.uuid4().hex[:8]}"
+        workflow = created(
+            execution_id, common_pb2.WORKFLOW_EXECUTION, workflow_execution_target=common_pb2.CLOUD
+        )
+        await produce(kafka_bootstrap, env, workflow, completed(execution_id))
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2, timeout_s=60)
+        provisioned, deprovisioned = (o.message for o in outcomes)
+        assert isinstance(provisioned, outcomes_pb2.SandboxProvisioned)
+        assert (provisioned.execution_id, provisioned.sandbox.driver) == (execution_id, "memory")
+        assert provisioned.meta.source == "sandbox-lanes/image-pod"
+        assert isinstance(deprovisioned, outcomes_pb2.SandboxDeprovisioned)
+
+        await asyncio.to_thread(container.kill, signal="SIGTERM")
+        exited = await asyncio.to_thread(container.wait, timeout=60)
+        assert exited["StatusCode"] == 0, container.logs().decode()[-3000:]
+        lines = [json.loads(line) for line in container.logs().decode().splitlines() if line.startswith("{")]
+        assert "pod stopped" in [line["msg"] for line in lines]
+    finally:
+        await asyncio.to_thread(container.remove, force=True)
