@@ -274,7 +274,7 @@ class DockerProvisioner(ScopedMethods):
             await self._start(attrs)
             self._logger.info(
                 "Docker sandbox restarted",
-                extra={"scope": scope, "sandbox_id": sandbox_id, "container": name},
+                extra={"scope": scope, "id": sandbox_id, "container": name},
             )
 
     async def _create(
@@ -337,7 +337,7 @@ class DockerProvisioner(ScopedMethods):
                 "Docker sandbox adopted",
                 extra={
                     "scope": scope,
-                    "sandbox_id": sandbox_id,
+                    "id": sandbox_id,
                     "container": name,
                     "state": _state_of(existing),
                 },
@@ -354,9 +354,9 @@ class DockerProvisioner(ScopedMethods):
             "Docker sandbox provisioned",
             extra={
                 "scope": scope,
-                "sandbox_id": sandbox_id,
+                "id": sandbox_id,
                 "container": name,
-                "task_queue": env.task_queue,
+                "taskQueue": env.task_queue,
                 "image": s.image,
             },
         )
@@ -411,7 +411,7 @@ class DockerProvisioner(ScopedMethods):
                     raise self._engine_error(exc) from exc
             self._logger.info(
                 "Docker sandbox deprovisioned",
-                extra={"scope": scope, "sandbox_id": sandbox_id, "container": name},
+                extra={"scope": scope, "id": sandbox_id, "container": name},
             )
 
     async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:

@@ -436,7 +436,7 @@ class KubernetesProvisioner(ScopedMethods):
         if replicas == 0 and await self._scale(base, 1):
             self._logger.info(
                 "Kubernetes sandbox scaled up",
-                extra={"scope": scope, "sandbox_id": sandbox_id, "deployment": base},
+                extra={"scope": scope, "id": sandbox_id, "deployment": base},
             )
             return
         await self._provision(scope, sandbox_id, env)
@@ -451,9 +451,9 @@ class KubernetesProvisioner(ScopedMethods):
             "Kubernetes sandbox provisioned",
             extra={
                 "scope": scope,
-                "sandbox_id": sandbox_id,
+                "id": sandbox_id,
                 "deployment": base,
-                "task_queue": env.task_queue,
+                "taskQueue": env.task_queue,
             },
         )
 
@@ -465,7 +465,7 @@ class KubernetesProvisioner(ScopedMethods):
             await self._delete("PersistentVolumeClaim", pvc_name(base))
         self._logger.info(
             "Kubernetes sandbox deprovisioned",
-            extra={"scope": scope, "sandbox_id": sandbox_id, "deployment": base},
+            extra={"scope": scope, "id": sandbox_id, "deployment": base},
         )
 
     async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:

@@ -294,7 +294,7 @@ class LocalProcessProvisioner(ScopedMethods):
                     "Local-process sandbox failed to start",
                     extra={
                         "scope": scope,
-                        "sandbox_id": sandbox_id,
+                        "id": sandbox_id,
                         "command": self._command[0],
                         "error": str(exc),
                     },
@@ -333,9 +333,9 @@ class LocalProcessProvisioner(ScopedMethods):
                 "Local-process sandbox started",
                 extra={
                     "scope": scope,
-                    "sandbox_id": sandbox_id,
+                    "id": sandbox_id,
                     "pid": proc.pid,
-                    "task_queue": env.task_queue,
+                    "taskQueue": env.task_queue,
                 },
             )
 
@@ -357,7 +357,7 @@ class LocalProcessProvisioner(ScopedMethods):
             "Local-process sandbox exited",
             extra={
                 "scope": scope,
-                "sandbox_id": sandbox_id,
+                "id": sandbox_id,
                 "code": code if code >= 0 else None,
                 "signal": _signal_name(-code) if code < 0 else None,
             },
@@ -378,7 +378,7 @@ class LocalProcessProvisioner(ScopedMethods):
             self._remove_record(name)
             self._logger.info(
                 "Local-process sandbox deprovisioned",
-                extra={"scope": scope, "sandbox_id": sandbox_id, "pid": record.pid},
+                extra={"scope": scope, "id": sandbox_id, "pid": record.pid},
             )
 
     @staticmethod
@@ -418,7 +418,7 @@ class LocalProcessProvisioner(ScopedMethods):
             "Local-process sandbox ignored SIGTERM, killing",
             extra={
                 "scope": record.scope,
-                "sandbox_id": record.sandbox_id,
+                "id": record.sandbox_id,
                 "pid": record.pid,
                 "grace_seconds": self._grace,
             },

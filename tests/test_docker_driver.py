@@ -204,7 +204,7 @@ async def test_provisions_a_labeled_hardened_container_probes_and_tears_down(
     provisioned = _messages(caplog, "Docker sandbox provisioned")
     assert len(provisioned) == 1
     assert provisioned[0].__dict__["container"] == name
-    assert provisioned[0].__dict__["task_queue"] == "session:ses_docker_1"
+    assert provisioned[0].__dict__["taskQueue"] == "session:ses_docker_1"
     assert _messages(caplog, "Docker sandbox restarted") == []
 
     listed = await p.list_managed()
@@ -375,7 +375,7 @@ async def test_a_stopped_sandbox_is_restarted_as_it_is(
     assert len(restarted) == 1
     assert restarted[0].__dict__["container"] == name
     assert restarted[0].__dict__["scope"] == "session"
-    assert restarted[0].__dict__["sandbox_id"] == "ses_restart"
+    assert restarted[0].__dict__["id"] == "ses_restart"
 
 
 async def test_read_only_root_keeps_the_workspace_writable(make: Factory, client: Any) -> None:

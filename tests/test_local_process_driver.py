@@ -168,8 +168,8 @@ async def test_ensure_spawns_once_injects_env_contract_and_is_idempotent(
     started = [r for r in caplog.records if r.getMessage() == "Local-process sandbox started"]
     assert len(started) == 1
     assert started[0].__dict__["scope"] == "session"
-    assert started[0].__dict__["sandbox_id"] == "ses_smoke"
-    assert started[0].__dict__["task_queue"] == "session:ses_smoke"
+    assert started[0].__dict__["id"] == "ses_smoke"
+    assert started[0].__dict__["taskQueue"] == "session:ses_smoke"
     assert started[0].__dict__["pid"] == _starts(p, "session", "ses_smoke")[0]
     logged = _records(caplog)
     for secret in (TOKEN, RUNNER_SECRET, TEMPORAL_KEY):
