@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.kafka]
 IMAGE = "sandbox-lanes:image-test"
 
 
-def _build(client: Any) -> tuple[dict[str, Any], str]:
+def _build(client: Any) -> dict[str, Any]:
     base = import_base_image(client)
     log: list[str] = []
     for chunk in client.api.build(
@@ -48,7 +48,7 @@ def _build(client: Any) -> tuple[dict[str, Any], str]:
         if "error" in chunk:
             pytest.fail(f"docker build failed: {chunk['error']}\n{''.join(log)[-4000:]}", pytrace=False)
     attrs: dict[str, Any] = client.api.inspect_image(IMAGE)
-    return attrs, "".join(log)
+    return attrs
 
 
 def _free_port() -> int:
@@ -75,7 +75,7 @@ async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events
     dockerd: Dockerd, kafka_bootstrap: str, tmp_path: Path
 ) -> None:
     client = docker.DockerClient(base_url=dockerd.socket_url, version="auto", timeout=900)
-    attrs, _ = await asyncio.to_thread(_build, client)
+    attrs = await asyncio.to_thread(_build, client)
     config = attrs["Config"]
     assert config["User"] == "10001:10001"
     assert config["Entrypoint"] == ["sandbox-lanes"] and config["Cmd"] == ["run"]
