@@ -26,6 +26,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from consumers.embedded_broker import free_port
 from consumers.http_server import OpsServer
 from consumers.settings import load_settings
 from consumers.topology import ensure_topics
@@ -39,12 +40,6 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 # --- helpers (also used by tests/test_packaging.py) -----------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def http_get(port: int, path: str) -> tuple[int, str, str]:

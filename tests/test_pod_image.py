@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,6 +22,7 @@ from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2
 from scripts.dockerd import Dockerd
 from scripts.python_base_image import import_base_image
 from tests.pod_harness import ROOT, produce, read_topic, unique_env
+from tests.test_ops_http import free_port, wait_for_status
 from tests.test_pod_drivers_e2e import completed, created
 
 pytestmark = [pytest.mark.docker, pytest.mark.kafka]
@@ -51,25 +49,6 @@ def _build(client: Any) -> dict[str, Any]:
     return attrs
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def _get(url: str, timeout_s: float) -> tuple[int, dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            with await asyncio.to_thread(urllib.request.urlopen, url, timeout=2) as response:
-                return response.status, json.loads(response.read())
-        except Exception as exc:  # not listening yet, or 503 while restoring
-            last = exc
-            await asyncio.sleep(0.5)
-    raise AssertionError(f"{url} never answered 200: {last}")
-
-
 @pytest.mark.timeout(1800)  # the build copies every layer on the vfs storage driver: several minutes
 async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events_and_stops_on_sigterm(
     dockerd: Dockerd, kafka_bootstrap: str, tmp_path: Path
@@ -83,7 +62,7 @@ async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events
     assert "/healthz" in " ".join(config["Healthcheck"]["Test"])
     assert config["StopSignal"] == "SIGTERM"
 
-    port = _free_port()
+    port = free_port()
     env = unique_env(
         kafka_bootstrap,
         tmp_path,
@@ -99,8 +78,8 @@ async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events
         client.containers.run, IMAGE, detach=True, network_mode="host", environment=env
     )
     try:
-        status, health = await _get(f"http://127.0.0.1:{port}/readyz", timeout_s=90)
-        assert status == 200 and health["ready"] is True, health
+        health = await wait_for_status(port, "/readyz", 200, timeout_s=90)
+        assert health["ready"] is True, health
         processes = await asyncio.to_thread(client.api.top, container.id)
         users = {row[processes["Titles"].index("UID")] for row in processes["Processes"]}
         assert users == {"10001"}, processes

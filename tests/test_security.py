@@ -17,7 +17,6 @@ import contextlib
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -28,6 +27,7 @@ from typing import Any
 import docker
 import pytest
 
+from consumers.embedded_broker import free_port
 from consumers.settings import load_settings
 from drivers.naming import LABEL_SANDBOX_ID
 from events.codec import new_meta
@@ -38,13 +38,6 @@ from tests.proc_util import runner_pids
 pytestmark = [pytest.mark.kafka, pytest.mark.usefixtures("no_leaked_runners")]
 RUN = uuid.uuid4().hex[:8]
 JWT = re.compile(rb"eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _all_cmdlines() -> bytes:
@@ -89,7 +82,7 @@ async def test_no_token_in_any_log_event_metric_or_process_list(
     kafka_bootstrap: str, tmp_path: Path, driver: str, request: pytest.FixtureRequest
 ) -> None:
     key = base64.b64encode(secrets.token_bytes(32)).decode()
-    port = _free_port()
+    port = free_port()
     extra: dict[str, str] = {}
     client: Any = None
     if driver == "docker":
