@@ -55,6 +55,7 @@ def pod_config(settings: Settings) -> PodConfig:
         pod_id=settings.pod_id,
         session_timeout_ms=settings.session_timeout_ms,
         shutdown_timeout_s=settings.shutdown_timeout_s,
+        driver_concurrency=settings.driver_concurrency,
         create_topics=settings.create_topics,
     )
 

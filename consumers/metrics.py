@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from consumers.rules import Decision, Deprovision, Ensure, Outcome
+from events.codec import OutcomeEvent
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -65,6 +66,18 @@ class PodMetrics:
         self.reaped = Counter(
             "sandbox_lanes_reaped_sandboxes", "Sandboxes removed by the reaper", ["driver"], registry=r
         )
+        self.effects_outstanding = Gauge(
+            "sandbox_lanes_effects_outstanding",
+            "Driver calls decided and not yet folded back (queued, running or awaiting their commit)",
+            registry=r,
+        )
+        self.time_to_sandbox = Histogram(
+            "sandbox_lanes_time_to_sandbox_seconds",
+            "From the input event's commit of its decision to the commit of its outcome, by operation",
+            ["operation"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.leaked = Counter(
             "sandbox_lanes_leaked_sandboxes",
             "Teardowns that failed (the sandbox may be leaked)",
@@ -110,11 +123,14 @@ class PodMetrics:
             self._decision(_lane_of_event(decision), "skipped").inc()
             return
         for command, output in zip(decision.commands, outcome.outputs if outcome else (), strict=False):
-            lane = lane_of_command(command)
-            kind = output.DESCRIPTOR.name  # == type_name(output).rsplit(".", 1)[-1]
-            self._decision(lane, OUTCOME_WORDS.get(kind, kind)).inc()
-            if kind == "SandboxTeardownFailed":
-                self.leaked.labels(driver).inc()
+            self.record_outcome(command, output, driver)
+
+    def record_outcome(self, command: Ensure | Deprovision, output: OutcomeEvent, driver: str) -> None:
+        """A driver call's outcome (the pod counts it when it folds the call's result back)."""
+        kind = output.DESCRIPTOR.name  # == type_name(output).rsplit(".", 1)[-1]
+        self._decision(lane_of_command(command), OUTCOME_WORDS.get(kind, kind)).inc()
+        if kind == "SandboxTeardownFailed":
+            self.leaked.labels(driver).inc()
 
 
 OUTCOME_WORDS = {

@@ -1,9 +1,15 @@
-"""The stream runtime: consume inputs, run each record through the lane processor, write outcomes.
+"""The stream runtime: consume inputs, decide, run the driver calls off the transaction, fold back.
 
-Records are processed in partition order (key = execution id, so per-execution
-order holds). Writes of a batch are staged in an overlay and folded into the
-state store only once the batch's outputs, state records and offsets are
-committed, so an aborted or failed batch leaves memory equal to the topic.
+One turn of the loop takes a fetch and the driver results finished so far, and
+per partition number (partition N of every input topic and of the state topic)
+commits one short transaction: the results folded back (outcome events, outbox
+entries removed) and the records decided (state with new outbox entries, dead
+letters, offsets). No transaction waits on a driver: the calls a committed
+decision added are handed to :class:`consumers.effects.EffectRunner` only after
+the commit, and their results come back in a later turn. Records are processed in
+partition order (key = execution id, so per-execution order holds). Writes are
+staged in an overlay and folded into the state store only once committed, so an
+aborted or failed transaction leaves memory equal to the topic.
 """
 
 from __future__ import annotations
@@ -18,15 +24,17 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
+from aiokafka.errors import ProducerFenced
 
+from consumers.effects import Completion, EffectRunner
 from consumers.metrics import PodMetrics
 from consumers.processor import LaneProcessor
-from consumers.rules import StateView
-from consumers.sink import BatchSink, Guarantee
+from consumers.rules import Command, CommandResult, Ensure, Outcome, StateView, new_effects, pending_of
+from consumers.sink import BatchSink, Guarantee, PartitionSinks
 from consumers.state_store import StateStore
 from consumers.topology import Topics, ensure_topics
 from events.codec import (
@@ -53,6 +61,9 @@ _DEFER_UNKNOWN_S = 30.0
 _CREATE_APPEND_MARGIN_MS = 1000
 
 
+_Records = list[ConsumerRecord[bytes, bytes]]
+
+
 @dataclass(frozen=True)
 class PodConfig:
     bootstrap: str
@@ -70,10 +81,8 @@ class PodConfig:
     shutdown_timeout_s: float = 30.0
     transaction_timeout_ms: int = 15_000
     create_topics: bool = True
-
-    @property
-    def transactional_id(self) -> str:
-        return f"{self.group_id}-{self.pod_id}"
+    #: Driver calls running at once across executions (calls for one sandbox run one at a time).
+    driver_concurrency: int = 32
 
 
 @dataclass
@@ -94,13 +103,10 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         self._pod = pod
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        async with self._pod.batch_lock:
-            self._pod.store.drop({tp.partition for tp in revoked})
-            for tp in revoked:
-                self._pod._created_done.pop(tp.partition, None)
+        await self._pod.release({tp.partition for tp in revoked})
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        await self._pod.restore({tp.partition for tp in assigned})
+        await self._pod.take_over(assigned)
 
 
 @dataclass(frozen=True)
@@ -135,8 +141,15 @@ class Pod:
         #: Tasks tied to the pod's life (the periodic reaper): awaited within the shutdown bound on stop.
         self.background: list[asyncio.Task[None]] = []
         self._consumer: AIOKafkaConsumer | None = None
-        self._producer: AIOKafkaProducer | None = None
-        self._sink: BatchSink | None = None
+        self._sinks: PartitionSinks | None = None
+        self.effects = EffectRunner(self._run_effect, config.driver_concurrency)
+        #: Results whose fold-back transaction failed: folded again next turn.
+        self._retry: list[Completion] = []
+        #: Partitions whose writer was fenced: nothing of theirs runs until the group reassigns them.
+        self._fenced: set[int] = set()
+        #: When each outbox entry was decided (monotonic), for the time-to-sandbox histogram.
+        self._decided_at: dict[str, float] = {}
+        self._throttled = False
         #: Per partition: (next offset, last record timestamp) applied on the execution-created topic.
         self._created_done: dict[int, tuple[int, int]] = {}
         self._batch_created: dict[int, tuple[int, int]] = {}
@@ -170,21 +183,18 @@ class Pod:
             finally:
                 await admin.close()
         eos = cfg.guarantee == "exactly_once"
-        self._producer = AIOKafkaProducer(
-            bootstrap_servers=cfg.bootstrap,
-            acks="all",
-            enable_idempotence=eos,
-            transactional_id=cfg.transactional_id if eos else None,
-            transaction_timeout_ms=cfg.transaction_timeout_ms,
-            linger_ms=0 if cfg.sequential_produce else 5,
+        producer_options = {
+            "bootstrap_servers": cfg.bootstrap,
+            "acks": "all",
+            "transaction_timeout_ms": cfg.transaction_timeout_ms,
+            "linger_ms": 0 if cfg.sequential_produce else 5,
             # Right after a commit the coordinator answers ConcurrentTransactions until its markers
             # are written; aiokafka then waits retry_backoff before AddOffsetsToTxn again (100 ms
-            # by default), a large share of the latency of a small exactly-once batch.
-            retry_backoff_ms=20,
-            # A batch writes ~2 records per input; 16 KiB producer batches made sends wait on drains.
-            max_batch_size=256 * 1024,
-        )
-        await self._producer.start()
+            # by default), a large share of the latency of a small exactly-once transaction.
+            "retry_backoff_ms": 20,
+            # A transaction writes ~2 records per input; 16 KiB producer batches made sends wait.
+            "max_batch_size": 256 * 1024,
+        }
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=cfg.bootstrap,
             group_id=cfg.group_id,
@@ -200,23 +210,29 @@ class Pod:
             partition_assignment_strategy=(RangePartitionAssignor,),
         )
         await self._consumer.start()
-        self._consumer.subscribe(list(cfg.topics.inputs), listener=_Rebalance(self))
-        self._sink = BatchSink(
-            self._producer, self._consumer, cfg.group_id, cfg.guarantee, sequential=cfg.sequential_produce
+        self._sinks = PartitionSinks(
+            self._consumer, cfg.group_id, cfg.guarantee, producer_options, sequential=cfg.sequential_produce
         )
+        await self._sinks.start()
+        self._subscribe()
         logger.info(
             "pod started",
             extra={"podId": cfg.pod_id, "guarantee": cfg.guarantee, "groupId": cfg.group_id},
         )
 
+    def _subscribe(self) -> None:
+        assert self._consumer is not None
+        self._consumer.subscribe(list(self.config.topics.inputs), listener=_Rebalance(self))
+
     async def stop(self) -> None:
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._consumer.stop()
-        if self._producer is not None:
+        if self._sinks is not None:
             with contextlib.suppress(Exception):
-                await self._producer.stop()
-        self._consumer = self._producer = None
+                await self._sinks.stop()
+        self._consumer = None
+        self._sinks = None
 
     async def run(self) -> None:
         """Start, process until stop is requested, then finish the batch in flight and close."""
@@ -227,6 +243,7 @@ class Pod:
         finally:
             self._running = False
             await self._stop_background()
+            await self.effects.cancel()
             await asyncio.wait_for(self.stop(), max(_CLOSE_RESERVE_S, self._remaining()))
             logger.info("pod stopped", extra={"podId": self.config.pod_id})
 
@@ -275,6 +292,34 @@ class Pod:
             if late:
                 await asyncio.wait(late, timeout=_CLOSE_RESERVE_S)
 
+    async def release(self, partitions: set[int]) -> None:
+        """Revoked: forget the partitions' state, void their driver calls' results, close their writers."""
+        async with self.batch_lock:
+            self.effects.disown(partitions)
+            self.store.drop(partitions)
+            for p in partitions:
+                self._created_done.pop(p, None)
+            self._retry = [c for c in self._retry if c.partition not in partitions]
+            self._fenced -= partitions
+            if self._sinks is not None:
+                await self._sinks.close(partitions)
+
+    async def take_over(self, assigned: set[TopicPartition]) -> None:
+        """Assigned: fence the previous writer, read the offsets it left, restore, resume its outbox."""
+        partitions = {tp.partition for tp in assigned}
+        assert self._sinks is not None and self._consumer is not None
+        async with self.batch_lock:
+            self._fenced -= partitions
+            # exactly_once: InitProducerId for <group>-p<N> aborts (or waits out) the previous
+            # owner's transaction, so the committed offsets read next are the stable ones.
+            await self._sinks.open(partitions)
+            self.effects.own(partitions)
+            for tp in assigned:
+                committed = await self._consumer.committed(tp)
+                if committed is not None and committed >= 0:
+                    self._consumer.seek(tp, committed)
+        await self.restore(partitions)
+
     async def restore(self, partitions: set[int]) -> None:
         """Rebuild the state of ``partitions`` not yet held; no record of theirs is processed before."""
         async with self._restore_lock:
@@ -318,16 +363,30 @@ class Pod:
             self.metrics.restored_keys.inc(report.keys)
             self.metrics.restore_seconds.set(report.seconds)
             self.metrics.state_keys.set(len(self.store))
+            resumed = 0
+            for partition in missing:
+                for key, state in self.store.partition_items(partition):
+                    for effect_id, command in pending_of(state):
+                        resumed += self.effects.submit(partition, key, effect_id, command)
+            if resumed:
+                logger.info(
+                    "outbox resumed: driver calls decided before and not completed run again",
+                    extra={"partitions": ",".join(map(str, sorted(missing))), "calls": resumed},
+                )
 
     # --- the loop ----------------------------------------------------------------------------
+
+    async def _run_effect(self, command: Command) -> CommandResult:
+        return await self.processor.runner.run(command)
 
     async def _loop(self) -> None:
         assert self._consumer is not None
         while not self._stop.is_set():
+            # While driver calls are out, turn often enough to fold their results back promptly.
+            busy = self.effects.outstanding > 0 or bool(self._retry)
+            timeout_ms = min(10, self.config.poll_timeout_ms) if busy else self.config.poll_timeout_ms
             getmany = asyncio.ensure_future(
-                self._consumer.getmany(
-                    timeout_ms=self.config.poll_timeout_ms, max_records=self.config.max_batch
-                )
+                self._consumer.getmany(timeout_ms=timeout_ms, max_records=self.config.max_batch)
             )
             stopper = asyncio.ensure_future(self._stop.wait())
             done, _ = await asyncio.wait({getmany, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -339,31 +398,100 @@ class Pod:
                 break
             fetched: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = getmany.result()
             self._last_loop = self.stats.last_progress = time.monotonic()
-            # Records can arrive while the assignment callback is still restoring, or for a
-            # partition revoked meanwhile: keep only assigned partitions, restored first.
-            assigned = self._consumer.assignment()
-            batch = {tp: recs for tp, recs in fetched.items() if tp in assigned and recs}
-            if batch:
-                await self.restore({tp.partition for tp in batch})
-                async with self.batch_lock:
-                    await self._process_batch(batch)
+            await self._turn(fetched)
+        await self._drain()
 
-    async def _process_batch(
-        self, batch: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]
+    async def _drain(self) -> None:
+        """Stopping: no new records; driver calls in flight finish (within the bound) and are folded back."""
+        assert self._consumer is not None
+        with contextlib.suppress(Exception):
+            self._consumer.pause(*self._consumer.assignment())
+        while self.effects.outstanding > 0 or self._retry:
+            self._last_loop = time.monotonic()
+            if not self.effects.ready.is_set() and not self._retry:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        await self.effects.ready.wait()
+            await self._turn({})
+
+    async def _turn(self, fetched: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> None:
+        """One turn: per partition number, fold back the results so far and decide the records fetched."""
+        assert self._consumer is not None
+        # Records can arrive while the assignment callback is still restoring, or for a
+        # partition revoked meanwhile: keep only assigned partitions, restored first.
+        assigned = self._consumer.assignment()
+        work: dict[int, tuple[dict[TopicPartition, _Records], list[Completion]]] = {}
+        for tp, recs in fetched.items():
+            if recs and tp in assigned and tp.partition not in self._fenced:
+                work.setdefault(tp.partition, ({}, []))[0][tp] = recs
+        if work:
+            await self.restore(set(work))
+        async with self.batch_lock:
+            completions, self._retry = [*self._retry, *self.effects.take()], []
+            for completion in completions:
+                work.setdefault(completion.partition, ({}, []))[1].append(completion)
+            if work:
+                await asyncio.gather(
+                    *(self._process_partition(p, recs, comps) for p, (recs, comps) in work.items())
+                )
+        self._apply_backpressure(assigned)
+
+    def _apply_backpressure(self, assigned: set[TopicPartition]) -> None:
+        """Pause fetching while too many driver calls are out; resume once most are folded back."""
+        assert self._consumer is not None
+        outstanding = self.effects.outstanding
+        self.metrics.effects_outstanding.set(outstanding)
+        high = max(4 * self.config.driver_concurrency, 4 * self.config.max_batch)
+        low = max(self.config.driver_concurrency, self.config.max_batch)
+        if not self._throttled and outstanding >= high:
+            self._throttled = True
+            logger.warning(
+                "driver calls backing up, pausing fetch",
+                extra={"outstanding": outstanding, "resumeBelow": low},
+            )
+        elif self._throttled and outstanding < low and not self._stop.is_set():
+            self._throttled = False
+            self._consumer.resume(*[tp for tp in assigned if tp.partition not in self._fenced])
+            logger.info("driver calls caught up, fetching again", extra={"outstanding": outstanding})
+        paused = [tp for tp in assigned if self._throttled or tp.partition in self._fenced]
+        if paused:
+            self._consumer.pause(*paused)  # (again: a rebalance hands partitions back unpaused)
+
+    async def _process_partition(
+        self,
+        partition: int,
+        batch: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]],
+        completions: list[Completion],
     ) -> None:
-        assert self._sink is not None and self._consumer is not None
+        """One transaction for partition N: results folded back, then the records decided."""
+        assert self._consumer is not None and self._sinks is not None
+        sink = self._sinks.get(partition)
+        if sink is None or partition in self._fenced:
+            # Not (or no longer) ours: the records go back; the results are void (disowned).
+            for tp, records in batch.items():
+                with contextlib.suppress(Exception):
+                    self._consumer.seek(tp, records[0].offset)
+            return
         started = time.monotonic()
-        overlay: dict[tuple[int, str], state_pb2.ExecutionState] = {}
+        overlay: dict[str, state_pb2.ExecutionState] = {}
         offsets: dict[TopicPartition, int] = {}
         counted: Counter[str] = Counter()
         held: dict[TopicPartition, int] = {}
-        self._batch_created = dict(self._created_done)
+        decided: list[tuple[str, str, Command]] = []
+        folded: list[tuple[Completion, Outcome]] = []
+        done_before = self._created_done.get(partition)
+        if done_before is None:
+            self._batch_created.pop(partition, None)
+        else:
+            self._batch_created[partition] = done_before
         created_topic = self.config.topics.execution_created
-        await self._sink.begin()
         try:
-            # The inputs are separate topics: merge a batch's partitions by record time (creates
-            # first on a tie), each partition's own order kept, so a create is applied before the
-            # phase changes produced after it even when one fetch returned both.
+            await sink.begin()
+            for completion in completions:
+                await self._fold(partition, completion, overlay, counted, sink, folded)
+            # The inputs are separate topics: merge the partitions by record time (creates first
+            # on a tie), each partition's own order kept, so a create is applied before the phase
+            # changes produced after it even when one fetch returned both.
             merged = heapq.merge(
                 *(
                     [((rec.timestamp, tp.topic != created_topic), i, tp, rec) for rec in recs]
@@ -376,73 +504,147 @@ class Pod:
                     break  # stopping: commit what is done, hand the rest back (not committed)
                 if tp in held:
                     continue
-                if await self._process_record(rec, overlay, counted):
-                    held[tp] = rec.offset  # deferred: this partition resumes here next batch
+                if await self._process_record(rec, overlay, counted, sink, decided):
+                    held[tp] = rec.offset  # deferred: this partition resumes here next turn
                     continue
                 offsets[tp] = rec.offset + 1
                 if tp.topic == created_topic:
-                    self._batch_created[tp.partition] = (rec.offset + 1, rec.timestamp)
-            await self._sink.commit(offsets)
+                    self._batch_created[partition] = (rec.offset + 1, rec.timestamp)
+            for tp, records in batch.items():
+                if tp not in offsets and tp not in held:
+                    held[tp] = records[0].offset  # not reached (stopping): handed back
+            await sink.commit(offsets)
         except asyncio.CancelledError:
-            # The shutdown bound cancelled the batch: abort so nothing of it becomes visible.
+            # The shutdown bound cancelled the turn: abort so nothing of it becomes visible.
             with contextlib.suppress(Exception):
-                await asyncio.shield(self._sink.abort())
+                await asyncio.shield(sink.abort())
             raise
         except Exception as exc:
-            self.stats.commit_failures += 1
-            self.metrics.commit_failures.inc()
-            logger.error("batch failed, rewinding", extra={"error": str(exc) or type(exc).__name__})
-            with contextlib.suppress(Exception):
-                await self._sink.abort()
-            for tp, records in batch.items():
-                with contextlib.suppress(Exception):
-                    self._consumer.seek(tp, records[0].offset)
+            await self._failed(partition, sink, batch, completions, exc)
             return
-        self._created_done = self._batch_created
+        done_now = self._batch_created.get(partition)
+        if done_now is not None:
+            self._created_done[partition] = done_now
         for tp, offset in held.items():
             with contextlib.suppress(Exception):
                 self._consumer.seek(tp, offset)
-        for (partition, key), state in overlay.items():
+        for key, state in overlay.items():
             self.store.put(partition, key, state)
+        now = time.monotonic()
+        for key, effect_id, command in decided:
+            if self.effects.submit(partition, key, effect_id, command):
+                self._decided_at[effect_id] = now
+        driver = self.processor.config.driver_name
+        for completion, outcome in folded:
+            for output in outcome.outputs:
+                self.metrics.record_outcome(completion.command, output, driver)
+            decided_at = self._decided_at.pop(completion.effect_id, None)
+            if decided_at is not None:
+                operation = "ensure" if isinstance(completion.command, Ensure) else "deprovision"
+                self.metrics.time_to_sandbox.labels(operation).observe(now - decided_at)
         self.stats.outputs.update(counted)
         self.stats.batches += 1
         for kind, n in counted.items():
             self.metrics.outputs.labels(kind.rsplit(".", 1)[-1]).inc(n)
-        self.metrics.batch_seconds.observe(time.monotonic() - started)
+        self.metrics.batch_seconds.observe(now - started)
         self.metrics.state_keys.set(len(self.store))
         for tp, off in offsets.items():
             highwater = self._consumer.highwater(tp)
             if highwater is not None:
                 self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(0, highwater - off))
 
+    async def _failed(
+        self,
+        partition: int,
+        sink: BatchSink,
+        batch: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]],
+        completions: list[Completion],
+        exc: Exception,
+    ) -> None:
+        """A transaction failed: rewind its records and fold its results again, or stand down if fenced."""
+        assert self._consumer is not None
+        self.stats.commit_failures += 1
+        self.metrics.commit_failures.inc()
+        error = str(exc) or type(exc).__name__
+        fenced = isinstance(exc, ProducerFenced)
+        if not fenced:
+            try:
+                await sink.abort()
+            except Exception:
+                fenced = sink.guarantee == "exactly_once"  # the producer cannot go on: same as fenced
+        for tp, records in batch.items():
+            with contextlib.suppress(Exception):
+                self._consumer.seek(tp, records[0].offset)
+        if not fenced:
+            logger.error("transaction failed, rewinding", extra={"partition": partition, "error": error})
+            self._retry.extend(completions)
+            return
+        # Another pod took the partition over (this one was paused past its session timeout, or
+        # its transaction outlived the timeout): nothing of it may be written from here. Stand
+        # down and let the group decide who owns it; a rejoin reassigns it, fenced again.
+        logger.error(
+            "fenced: another writer owns the partition now; standing down and rejoining the group",
+            extra={"partition": partition, "error": error},
+        )
+        self._fenced.add(partition)
+        self.effects.disown({partition})
+        self.store.drop({partition})
+        self._created_done.pop(partition, None)
+        if self._sinks is not None:
+            await self._sinks.close({partition})
+        self._subscribe()
+
+    async def _fold(
+        self,
+        partition: int,
+        completion: Completion,
+        overlay: dict[str, state_pb2.ExecutionState],
+        counted: Counter[str],
+        sink: BatchSink,
+        folded: list[tuple[Completion, Outcome]],
+    ) -> None:
+        """One driver result back into its execution's state: the outcome event, the entry removed."""
+        key = completion.key
+        state = overlay.get(key)
+        if state is None:
+            state = self.store.get(partition, key)
+        if state is None:
+            return
+        outcome = self.processor.complete(state, completion.effect_id, completion.command, completion.result)
+        if outcome.state is None:
+            return  # not pending any more: completed before (this pod, or the previous owner)
+        for output in outcome.outputs:
+            await sink.send(self.config.topics.outcomes, encode(output, source=self.processor.config.source))
+            counted[type_name(output)] += 1
+        await sink.send(self.config.topics.state, encode(outcome.state), partition=partition)
+        overlay[key] = outcome.state
+        folded.append((completion, outcome))
+
     async def _process_record(
         self,
         rec: ConsumerRecord[bytes, bytes],
-        overlay: dict[tuple[int, str], state_pb2.ExecutionState],
+        overlay: dict[str, state_pb2.ExecutionState],
         counted: Counter[str],
+        sink: BatchSink,
+        decided: list[tuple[str, str, Command]],
     ) -> bool:
-        """Process one record; True = deferred (not applied, the partition resumes at it later)."""
-        assert self._sink is not None
-        # A batch of slow driver calls is progress, not a stall: the heartbeat moves per record.
+        """Decide one record; True = deferred (not applied, the partition resumes at it later)."""
         self._last_loop = time.monotonic()
-        topics = self.config.topics
         try:
             event = decode_input(rec.key, rec.value, rec.headers)
         except DecodeError as exc:
-            await self._dead_letter(rec, exc.reason)
+            await self._dead_letter(rec, exc.reason, sink)
             return False
         key = record_key(event)
-        slot = (rec.partition, key)
-        stored = overlay.get(slot)
+        stored = overlay.get(key)
         if stored is None:
             stored = self.store.get(rec.partition, key)
         try:
-            processed = await self.processor.process(event, StateView(stored))
+            decision = self.processor.decide(event, StateView(stored))
         except Exception as exc:  # a bug in the rules must not stop the pod: park the record
             logger.exception("record processing raised", extra={"executionId": key})
-            await self._dead_letter(rec, f"internal error: {exc!r}")
+            await self._dead_letter(rec, f"internal error: {exc!r}", sink)
             return False
-        decision = processed.decision
         if (
             decision.reject is not None
             and isinstance(event, inputs_pb2.PhaseChanged)
@@ -455,23 +657,21 @@ class Pod:
         event_type = event.DESCRIPTOR.name
         self.stats.consumed[TYPE_PREFIX + event_type] += 1
         self.metrics.consumed(event_type).inc()
-        self.metrics.record_decision(decision, processed.outcome, self.processor.config.driver_name)
+        self.metrics.record_decision(decision, None, self.processor.config.driver_name)
         if decision.reject is not None:
-            await self._dead_letter(rec, decision.reject)
+            await self._dead_letter(rec, decision.reject, sink)
             return False
         if decision.duplicate:
             self.stats.duplicates += 1
             self.metrics.duplicates.inc()
             logger.info("duplicate input ignored", extra={"executionId": key, "eventId": event.meta.event_id})
             return False
-        outcome = processed.outcome
-        if outcome is None or outcome.state is None:
+        if decision.state is None:
             return False
-        for output in outcome.outputs:
-            await self._sink.send(topics.outcomes, encode(output, source=self.processor.config.source))
-            counted[type_name(output)] += 1
-        await self._sink.send(topics.state, encode(outcome.state), partition=rec.partition)
-        overlay[slot] = outcome.state
+        await sink.send(self.config.topics.state, encode(decision.state), partition=rec.partition)
+        overlay[key] = decision.state
+        for effect_id, command in new_effects(decision):
+            decided.append((key, effect_id, command))
         return False
 
     async def _create_may_follow(self, rec: ConsumerRecord[bytes, bytes]) -> bool:
@@ -510,8 +710,7 @@ class Pod:
         polled = self._consumer.last_poll_timestamp(created)
         return polled is None or polled <= rec.timestamp + _CREATE_APPEND_MARGIN_MS
 
-    async def _dead_letter(self, rec: ConsumerRecord[bytes, bytes], reason: str) -> None:
-        assert self._sink is not None
+    async def _dead_letter(self, rec: ConsumerRecord[bytes, bytes], reason: str, sink: BatchSink) -> None:
         self.stats.dead_lettered += 1
         self.metrics.dead_letters.inc()
         logger.warning(
@@ -532,7 +731,7 @@ class Pod:
             # the batch would rewind forever): the dead letter points at the original instead.
             headers.append(("dlq_value_omitted", str(len(value)).encode()))
             value = b""
-        await self._sink.send(
+        await sink.send(
             self.config.topics.dead_letter,
             EncodedRecord(key=rec.key or b"", value=value, headers=headers),
         )

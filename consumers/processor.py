@@ -1,7 +1,10 @@
-"""One input event through the rules: decide → run commands → complete, and emit the logs.
+"""One input event through the rules, and the logs they ask for.
 
-This is the unit the stream runtime calls per record and the unit the seed
-tests drive directly; it owns no Kafka and no driver of its own.
+Two paths over the same pure rules. :meth:`LaneProcessor.process` decides, runs
+the commands and completes at once (the seed tests and the audit replay drive it).
+The pod splits it: :meth:`LaneProcessor.decide` in the decision's transaction,
+the driver call off it (:mod:`consumers.effects`), :meth:`LaneProcessor.complete`
+in a later transaction. It owns no Kafka and no driver of its own.
 """
 
 from __future__ import annotations
@@ -11,8 +14,20 @@ from dataclasses import dataclass
 
 from consumers.executor import CommandRunner
 from consumers.metrics import OUTCOME_WORDS, lane_of_command
-from consumers.rules import Decision, LaneConfig, LogIntent, Outcome, StateView, complete, decide
+from consumers.rules import (
+    Command,
+    CommandResult,
+    Decision,
+    LaneConfig,
+    LogIntent,
+    Outcome,
+    StateView,
+    complete,
+    complete_effect,
+    decide,
+)
 from events.codec import InputEvent, record_key, type_name
+from events.sandbox_lanes.v1 import state_pb2
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
@@ -35,6 +50,43 @@ class LaneProcessor:
     config: LaneConfig
     runner: CommandRunner
     logger: logging.Logger
+
+    def decide(self, event: InputEvent, stored: StateView) -> Decision:
+        """The decision alone (its commands become outbox entries); its own logs are emitted."""
+        decision = decide(event, stored, self.config)
+        if decision.logs and decision.reject is None and not decision.duplicate:
+            context = {"driver": self.config.driver_name, "eventId": event.meta.event_id}
+            emit_logs(self.logger, decision.logs, context)
+        return decision
+
+    def complete(
+        self,
+        state: state_pb2.ExecutionState,
+        effect_id: str,
+        command: Command,
+        result: CommandResult,
+    ) -> Outcome:
+        """Fold one driver call's result back; ``Outcome(None, ...)`` when it was not pending."""
+        outcome = complete_effect(state, effect_id, result, self.config)
+        if outcome.state is None:
+            return outcome
+        logger = self.logger
+        causation_id = outcome.outputs[0].meta.causation_id if outcome.outputs else ""
+        if outcome.logs:
+            emit_logs(logger, outcome.logs, {"driver": self.config.driver_name, "eventId": causation_id})
+        if outcome.outputs and logger.isEnabledFor(logging.INFO):
+            kind = type_name(outcome.outputs[0]).rsplit(".", 1)[-1]
+            logger.info(
+                "sandbox decision",
+                extra={
+                    "executionId": state.execution_id,
+                    "lane": lane_of_command(command),
+                    "driver": self.config.driver_name,
+                    "outcome": OUTCOME_WORDS.get(kind, kind),
+                    "eventId": causation_id,
+                },
+            )
+        return outcome
 
     async def process(self, event: InputEvent, stored: StateView) -> Processed:
         decision = decide(event, stored, self.config)

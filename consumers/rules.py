@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+from google.protobuf.timestamp_pb2 import Timestamp
+
 from consumers.constants import (
     LOG_SESSION_DEPROVISION_FAILED,
     LOG_SESSION_PROVISIONING_FAILED,
@@ -150,10 +152,85 @@ def decide(event: InputEvent, stored: StateView, config: LaneConfig) -> Decision
     if current is not None and event.meta.event_id in current.applied_event_ids:
         return Decision(event, None, (), (), None, True)
     if isinstance(event, inputs_pb2.ExecutionCreated):
-        return _decide_created(event, current, config)
-    if isinstance(event, inputs_pb2.PhaseChanged):
-        return _decide_phase_changed(event, current)
-    return _decide_session_deleted(event, current)
+        decision = _decide_created(event, current, config)
+    elif isinstance(event, inputs_pb2.PhaseChanged):
+        decision = _decide_phase_changed(event, current)
+    else:
+        decision = _decide_session_deleted(event, current)
+    if decision.commands:
+        assert decision.state is not None  # commands always come with a state
+        _fill_pending(decision.state, event, decision.commands)
+    return decision
+
+
+def command_id(causation_id: str, command: Command) -> str:
+    """The deterministic id of a driver call: one per (input event, operation, scope)."""
+    kind = "Ensure" if isinstance(command, Ensure) else "Deprovision"
+    return derived_event_id(causation_id, kind, command.scope)
+
+
+def _fill_pending(
+    state: state_pb2.ExecutionState, event: InputEvent, commands: tuple[Command, ...]
+) -> None:
+    """The outbox: each command of the decision becomes a pending entry in the decision's state."""
+    meta = event.meta
+    causation_id = meta.event_id
+    for command in commands:
+        entry = state.pending.add()
+        entry.command_id = command_id(causation_id, command)
+        entry.scope = _SCOPE_ENUM[command.scope]  # type: ignore[assignment]
+        entry.sandbox_id = command.sandbox_id
+        entry.causation_id = causation_id
+        if meta.HasField("occurred_at"):
+            entry.occurred_at.CopyFrom(meta.occurred_at)
+        if isinstance(command, Ensure):
+            entry.op = state_pb2.EFFECT_OP_ENSURE
+            entry.task_queue = command.task_queue
+            entry.caller_class = command.caller_class
+            entry.critical = command.critical
+            mint = command.mint
+            entry.mint_scope = mint.scope
+            entry.mint_session_id = mint.session_id
+            entry.mint_execution_id = mint.execution_id
+            entry.mint_org = mint.org
+            entry.mint_caller_identity_id = mint.caller_identity_id
+        else:
+            entry.op = state_pb2.EFFECT_OP_DEPROVISION
+            entry.phase = command.phase  # type: ignore[assignment]
+
+
+_SCOPE_NAMES: dict[int, SandboxScope] = {number: name for name, number in _SCOPE_ENUM.items()}
+
+
+def command_of(entry: state_pb2.PendingEffect) -> Command:
+    """The driver command a pending entry stands for (what a restarted pod re-runs)."""
+    scope = _SCOPE_NAMES[entry.scope]
+    if entry.op == state_pb2.EFFECT_OP_DEPROVISION:
+        return Deprovision(scope, entry.sandbox_id, entry.phase)
+    mint = SandboxCredentialRequest(
+        entry.mint_scope,  # type: ignore[arg-type]
+        entry.mint_session_id,
+        entry.mint_execution_id,
+        entry.mint_org,
+        entry.mint_caller_identity_id,
+    )
+    return Ensure(scope, entry.sandbox_id, entry.task_queue, entry.caller_class, mint, entry.critical)
+
+
+def pending_of(state: state_pb2.ExecutionState | None) -> list[tuple[str, Command]]:
+    """The state's outstanding driver calls, in decision order, as ``(command id, command)``."""
+    if state is None:
+        return []
+    return [(entry.command_id, command_of(entry)) for entry in state.pending]
+
+
+def new_effects(decision: Decision) -> list[tuple[str, Command]]:
+    """The driver calls this decision added to the outbox (the last entries of its state)."""
+    n = len(decision.commands)
+    if n == 0 or decision.state is None:
+        return []
+    entries = decision.state.pending[-n:]
+    return [(entry.command_id, command) for entry, command in zip(entries, decision.commands, strict=True)]
 
 
 _ExecutionState = state_pb2.ExecutionState
@@ -274,7 +351,13 @@ def _decide_phase_changed(
     state.phase = new_phase
     error = event.error
     if error and not state.status_error:
-        state.status_error = error
+        if _session_ensure_pending(state):
+            # The pending ensure's failure pre-stamp would have won upstream (it stamps before
+            # the execution moves on): this error waits for the ensure to complete.
+            if not state.deferred_status_error:
+                state.deferred_status_error = error
+        else:
+            state.status_error = error
     if (
         kind == common_pb2.WORKFLOW_EXECUTION
         and event.previous_phase != new_phase
@@ -283,6 +366,10 @@ def _decide_phase_changed(
         return Decision(event, state, (Deprovision("workflow", execution_id, new_phase),))
     # Session sandboxes are long-lived: an agent execution's terminal phase tears nothing down.
     return Decision(event, state)
+
+
+def _session_ensure_pending(state: state_pb2.ExecutionState) -> bool:
+    return any(e.op == state_pb2.EFFECT_OP_ENSURE and not e.critical for e in state.pending)
 
 
 def _decide_session_deleted(
@@ -298,7 +385,12 @@ def _decide_session_deleted(
 
 
 def complete(decision: Decision, results: Sequence[CommandResult], config: LaneConfig) -> Outcome:
-    """Fold the commands' results into the state and the outcome events."""
+    """Fold the results of the decision's own commands into its state (in place), in order.
+
+    The synchronous path: replay and the seed tests run a decision's commands at once. The pod
+    completes each pending entry on its own, later, with :func:`complete_effect`; both give the
+    same outcome events and the same final state.
+    """
     commands = decision.commands
     if len(results) != len(commands):
         raise ValueError(f"{len(commands)} commands but {len(results)} results")
@@ -307,24 +399,53 @@ def complete(decision: Decision, results: Sequence[CommandResult], config: LaneC
     if not commands:
         return Outcome(state, (), tuple(logs))
     assert state is not None  # commands always come with a state
-    event = decision.event
-    if len(commands) == 1:  # every decision the rules make today: one command, no loop
-        command = commands[0]
-        if isinstance(command, Ensure):
-            out, more_logs = _complete_ensure(event, command, results[0], state, config)
-        else:
-            out, more_logs = _complete_deprovision(event, command, results[0], state, config)
-        return Outcome(state, (out,), (*logs, *more_logs) if more_logs else tuple(logs))
     outputs: list[OutcomeEvent] = []
+    causation_id = decision.event.meta.event_id
     for command, result in zip(commands, results, strict=True):
-        if isinstance(command, Ensure):
-            out, more_logs = _complete_ensure(event, command, result, state, config)
-        else:
-            out, more_logs = _complete_deprovision(event, command, result, state, config)
-        outputs.append(out)
+        out, more_logs = _fold(state, command_id(causation_id, command), result, config)
+        if out is not None:
+            outputs.append(out)
         if more_logs:
             logs = (*logs, *more_logs)
     return Outcome(state, tuple(outputs), tuple(logs))
+
+
+def complete_effect(
+    state: state_pb2.ExecutionState, effect_id: str, result: CommandResult, config: LaneConfig
+) -> Outcome:
+    """Fold one pending driver call's result into a copy of ``state``.
+
+    Not pending (already completed, by this pod or the partition's previous owner): nothing to
+    write, ``Outcome(None, (), ())`` — which is what makes the outcome exist exactly once.
+    """
+    if not any(entry.command_id == effect_id for entry in state.pending):
+        return Outcome(None, (), ())
+    new = state_pb2.ExecutionState()
+    new.CopyFrom(state)
+    out, logs = _fold(new, effect_id, result, config)
+    return Outcome(new, (out,) if out is not None else (), logs)
+
+
+def _fold(
+    state: state_pb2.ExecutionState, effect_id: str, result: CommandResult, config: LaneConfig
+) -> tuple[OutcomeEvent | None, tuple[LogIntent, ...]]:
+    pending = state.pending
+    index = next((i for i, e in enumerate(pending) if e.command_id == effect_id), -1)
+    if index < 0:
+        return None, ()
+    entry = pending[index]
+    command = command_of(entry)
+    occurred_at = entry.occurred_at if entry.HasField("occurred_at") else None
+    causation_id = entry.causation_id
+    del pending[index]
+    if isinstance(command, Ensure):
+        out, logs = _complete_ensure(causation_id, occurred_at, command, result, state, config)
+        if state.deferred_status_error and not _session_ensure_pending(state):
+            if not state.status_error:
+                state.status_error = state.deferred_status_error
+            state.deferred_status_error = ""
+        return out, logs
+    return _complete_deprovision(causation_id, occurred_at, command, result, state, config)
 
 
 def sandbox_ref(
@@ -351,18 +472,21 @@ def _fill_ref(
 
 
 def _fill_meta(
-    meta: common_pb2.EventMeta, event: InputEvent, kind: str, scope: SandboxScope, config: LaneConfig
+    meta: common_pb2.EventMeta,
+    causation_id: str,
+    occurred_at: Timestamp | None,
+    kind: str,
+    scope: SandboxScope,
+    config: LaneConfig,
 ) -> str:
     """The outcome's meta, written in place; returns its (deterministic) event id."""
-    cause = event.meta
-    causation_id = cause.event_id
     event_id = derived_event_id(causation_id, kind, scope)
     meta.event_id = event_id
     meta.schema_version = STATE_SCHEMA_VERSION
     meta.source = config.source
     meta.causation_id = causation_id
-    if cause.HasField("occurred_at"):
-        meta.occurred_at.CopyFrom(cause.occurred_at)
+    if occurred_at is not None:
+        meta.occurred_at.CopyFrom(occurred_at)
     return event_id
 
 
@@ -393,7 +517,8 @@ def _phase_name(phase: int) -> str:
 
 
 def _complete_ensure(
-    event: InputEvent,
+    causation_id: str,
+    occurred_at: Timestamp | None,
     command: Ensure,
     result: CommandResult,
     state: state_pb2.ExecutionState,
@@ -403,7 +528,9 @@ def _complete_ensure(
     execution_id = command.mint.execution_id
     if result.ok:
         provisioned = outcomes_pb2.SandboxProvisioned()
-        outcome_id = _fill_meta(provisioned.meta, event, "SandboxProvisioned", scope, config)
+        outcome_id = _fill_meta(
+            provisioned.meta, causation_id, occurred_at, "SandboxProvisioned", scope, config
+        )
         provisioned.execution_id = execution_id
         ref = provisioned.sandbox
         _fill_ref(ref, config, scope, command.sandbox_id, command.task_queue)
@@ -413,7 +540,7 @@ def _complete_ensure(
         return provisioned, ()
     error = result.error
     failed = outcomes_pb2.SandboxFailed()
-    outcome_id = _fill_meta(failed.meta, event, "SandboxFailed", scope, config)
+    outcome_id = _fill_meta(failed.meta, causation_id, occurred_at, "SandboxFailed", scope, config)
     failed.execution_id = execution_id
     ref = failed.sandbox
     _fill_ref(ref, config, scope, command.sandbox_id, command.task_queue)
@@ -440,7 +567,8 @@ def _complete_ensure(
 
 
 def _complete_deprovision(
-    event: InputEvent,
+    causation_id: str,
+    occurred_at: Timestamp | None,
     command: Deprovision,
     result: CommandResult,
     state: state_pb2.ExecutionState,
@@ -451,7 +579,7 @@ def _complete_deprovision(
     execution_id = command.sandbox_id if workflow else ""
     if result.ok:
         done = outcomes_pb2.SandboxDeprovisioned()
-        outcome_id = _fill_meta(done.meta, event, "SandboxDeprovisioned", scope, config)
+        outcome_id = _fill_meta(done.meta, causation_id, occurred_at, "SandboxDeprovisioned", scope, config)
         done.execution_id = execution_id
         ref = done.sandbox
         _fill_ref(ref, config, scope, command.sandbox_id)
@@ -465,7 +593,7 @@ def _complete_deprovision(
         return done, ()
     error = result.error
     failed = outcomes_pb2.SandboxTeardownFailed()
-    outcome_id = _fill_meta(failed.meta, event, "SandboxTeardownFailed", scope, config)
+    outcome_id = _fill_meta(failed.meta, causation_id, occurred_at, "SandboxTeardownFailed", scope, config)
     failed.execution_id = execution_id
     ref = failed.sandbox
     _fill_ref(ref, config, scope, command.sandbox_id)

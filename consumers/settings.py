@@ -69,6 +69,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SANDBOX_LANES_SESSION_TIMEOUT_MS", "10000", "consumer group session timeout"),
     Setting("SANDBOX_LANES_SHUTDOWN_TIMEOUT_S", "30", "bound on graceful shutdown after SIGTERM"),
     Setting("SANDBOX_LANES_ENSURE_TIMEOUT_S", "120", "bound on one driver ensure"),
+    Setting(
+        "SANDBOX_LANES_DRIVER_CONCURRENCY",
+        "32",
+        "driver calls running at once across sandboxes (one sandbox's calls run in order)",
+    ),
     Setting("SANDBOX_LANES_TEARDOWN_TIMEOUT_S", "60", "bound on one driver teardown"),
     Setting("SANDBOX_LANES_REAP_INTERVAL_S", "300", "seconds between reaper passes in the pod (0 = off)"),
     Setting(
@@ -306,6 +311,7 @@ class Settings:
     topics: Topics
     session_timeout_ms: int
     shutdown_timeout_s: float
+    driver_concurrency: int
     ensure_timeout_s: float
     teardown_timeout_s: float
     provisioner_type: str
@@ -412,6 +418,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         topics=_topics(env),
         session_timeout_ms=_int(env, "SANDBOX_LANES_SESSION_TIMEOUT_MS", 1000),
         shutdown_timeout_s=_float(env, "SANDBOX_LANES_SHUTDOWN_TIMEOUT_S"),
+        driver_concurrency=_int(env, "SANDBOX_LANES_DRIVER_CONCURRENCY", 1),
         ensure_timeout_s=_float(env, "SANDBOX_LANES_ENSURE_TIMEOUT_S"),
         teardown_timeout_s=_float(env, "SANDBOX_LANES_TEARDOWN_TIMEOUT_S"),
         provisioner_type=_provisioner_type(env),

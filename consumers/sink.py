@@ -1,21 +1,29 @@
-"""Where a batch's writes go, under the chosen processing guarantee.
+"""Where a partition's writes go, under the chosen processing guarantee.
 
-``exactly_once``: outputs, state records, dead letters and the input offsets are
-committed in one Kafka transaction (consumers read outcomes ``read_committed``).
-Driver side effects are outside any transaction; they are idempotent by name,
-so a batch re-run after a crash re-ensures on the fast path.
+``exactly_once``: one transactional producer per input partition number, with the
+transactional id ``<group id>-p<N>`` (Kafka Streams' "exactly-once alpha" layout).
+Partition N of every input topic and of the state topic is one unit of work
+(the range assignor keeps them on one pod), and its outcomes, state records, dead
+letters and input offsets are committed in one transaction of that producer. A pod
+that takes partition N over initialises the producer with the same id, which
+bumps its epoch: the previous owner's open transaction is aborted and anything it
+tries later (a pod paused past its session timeout and resumed) fails with
+``ProducerFenced``. That is the zombie fence; aiokafka's
+``send_offsets_to_transaction`` takes a group id only (no KIP-447 group
+metadata), so one transactional id per pod would not fence.
 
 ``at_least_once``: for brokers without transactions (the embedded Tansu demo
 broker). Writes are awaited, then offsets are committed. A crash between the
-two re-runs the batch: outputs re-appear with the SAME deterministic event ids
+two re-runs the records: outputs re-appear with the SAME deterministic event ids
 (``ce_id``), so downstream de-duplicates by id.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
-from typing import Literal
+import contextlib
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
@@ -25,7 +33,14 @@ from events.codec import EncodedRecord
 Guarantee = Literal["exactly_once", "at_least_once"]
 
 
+def transactional_id(group_id: str, partition: int) -> str:
+    """One id per input partition number: whoever owns partition N writes as ``<group>-p<N>``."""
+    return f"{group_id}-p{partition}"
+
+
 class BatchSink:
+    """One unit of work's writes (one partition number), committed with its input offsets."""
+
     def __init__(
         self,
         producer: AIOKafkaProducer,
@@ -35,7 +50,7 @@ class BatchSink:
         *,
         sequential: bool = False,
     ) -> None:
-        self._producer = producer
+        self.producer = producer
         self._consumer = consumer
         self._group_id = group_id
         self._guarantee = guarantee
@@ -49,33 +64,33 @@ class BatchSink:
 
     async def begin(self) -> None:
         if self._guarantee == "exactly_once":
-            await self._producer.begin_transaction()
+            await self.producer.begin_transaction()
         self._open = True
         self._futures = []
 
     async def send(self, topic: str, record: EncodedRecord, partition: int | None = None) -> None:
         if self._sequential:
             # One record per produce request: Tansu's end offsets go wrong after multi-record batches.
-            await self._producer.send_and_wait(
+            await self.producer.send_and_wait(
                 topic, record.value, key=record.key, headers=record.headers, partition=partition
             )
             return
-        future = await self._producer.send(
+        future = await self.producer.send(
             topic, record.value, key=record.key, headers=record.headers, partition=partition
         )
         self._futures.append(future)
 
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
-        """Make the batch's writes durable together with the input offsets (next offset to read)."""
+        """Make the writes durable together with the input offsets (next offset to read)."""
         if self._futures:
             await asyncio.gather(*self._futures)
             self._futures = []
         if self._guarantee == "exactly_once":
             if offsets:
-                await self._producer.send_offsets_to_transaction(
+                await self.producer.send_offsets_to_transaction(
                     {tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()}, self._group_id
                 )
-            await self._producer.commit_transaction()
+            await self.producer.commit_transaction()
         elif offsets:
             await self._consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()})
         self._open = False
@@ -88,4 +103,77 @@ class BatchSink:
             future.cancel()
         self._futures = []
         if self._guarantee == "exactly_once":
-            await self._producer.abort_transaction()
+            await self.producer.abort_transaction()
+
+
+class PartitionSinks:
+    """The sinks of the partitions this pod owns.
+
+    ``exactly_once``: a transactional producer per partition, opened when the partition is
+    assigned (its ``init_transactions`` is the fence) and closed when it is revoked.
+    ``at_least_once``: one shared idempotence-less producer.
+    """
+
+    def __init__(
+        self,
+        consumer: AIOKafkaConsumer,
+        group_id: str,
+        guarantee: Guarantee,
+        producer_options: Mapping[str, Any],
+        *,
+        sequential: bool = False,
+    ) -> None:
+        self._consumer = consumer
+        self._group_id = group_id
+        self._guarantee = guarantee
+        self._options = dict(producer_options)
+        self._sequential = sequential
+        self._sinks: dict[int, BatchSink] = {}
+        self._shared: AIOKafkaProducer | None = None
+
+    async def start(self) -> None:
+        if self._guarantee == "at_least_once":
+            self._shared = AIOKafkaProducer(**self._options)
+            await self._shared.start()
+
+    def get(self, partition: int) -> BatchSink | None:
+        return self._sinks.get(partition)
+
+    async def open(self, partitions: Iterable[int]) -> None:
+        """Sinks for newly owned partitions; for exactly_once this fences their previous writer."""
+        wanted = [p for p in partitions if p not in self._sinks]
+        if self._guarantee == "at_least_once":
+            assert self._shared is not None
+            for p in wanted:
+                self._sinks[p] = self._sink(self._shared)
+            return
+
+        async def one(partition: int) -> None:
+            producer = AIOKafkaProducer(
+                **self._options,
+                enable_idempotence=True,
+                transactional_id=transactional_id(self._group_id, partition),
+            )
+            await producer.start()  # InitProducerId: bumps the epoch, aborts a zombie's open transaction
+            self._sinks[partition] = self._sink(producer)
+
+        await asyncio.gather(*(one(p) for p in wanted))
+
+    def _sink(self, producer: AIOKafkaProducer) -> BatchSink:
+        return BatchSink(
+            producer, self._consumer, self._group_id, self._guarantee, sequential=self._sequential
+        )
+
+    async def close(self, partitions: Iterable[int]) -> None:
+        gone = [self._sinks.pop(p) for p in list(partitions) if p in self._sinks]
+        if self._guarantee == "exactly_once":
+            for sink in gone:
+                with contextlib.suppress(Exception):
+                    await sink.producer.stop()
+
+    async def stop(self) -> None:
+        await self.close(list(self._sinks))
+        if self._shared is not None:
+            with contextlib.suppress(Exception):
+                await self._shared.stop()
+            self._shared = None

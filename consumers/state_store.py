@@ -59,6 +59,10 @@ class StateStore:
             for key, raw in part.items():
                 yield key, decode_state(raw)
 
+    def partition_items(self, partition: int) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
+        for key, raw in list(self._partitions.get(partition, {}).items()):
+            yield key, decode_state(raw)
+
     def __len__(self) -> int:
         return sum(len(p) for p in self._partitions.values())
 

@@ -17,7 +17,17 @@ from consumers.dispatch import (
     resolve_execution_target,
     resolve_workflow_task_queue,
 )
-from consumers.rules import CommandResult, Deprovision, Ensure, LaneConfig, StateView, complete, decide
+from consumers.rules import (
+    CommandResult,
+    Deprovision,
+    Ensure,
+    LaneConfig,
+    StateView,
+    complete,
+    complete_effect,
+    decide,
+    pending_of,
+)
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 from tests.lane_fakes import (
@@ -146,7 +156,14 @@ def test_agent_terminal_phase_does_not_tear_down_the_long_lived_session_sandbox(
     decision = decide(event, StateView(state), CONFIG)
     assert decision.commands == ()
     assert decision.state is not None and decision.state.phase == common_pb2.EXECUTION_COMPLETED
-    assert decision.state.status_error == "boom"
+    # The session ensure decided with the create is still pending (its driver call runs off the
+    # transaction): the phase's error waits for it, so the ensure's pre-stamp keeps upstream's
+    # first-non-empty-wins order; a successful ensure then lets the phase's error through.
+    assert decision.state.status_error == "" and decision.state.deferred_status_error == "boom"
+    (effect_id, _), = pending_of(decision.state)
+    done = complete_effect(decision.state, effect_id, CommandResult(ok=True, probe_state="running"), CONFIG)
+    assert done.state is not None and done.state.status_error == "boom"
+    assert done.state.deferred_status_error == "" and not done.state.pending
 
 
 def test_output_ids_are_deterministic_per_input_event() -> None:

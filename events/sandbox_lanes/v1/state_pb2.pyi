@@ -42,6 +42,30 @@ SANDBOX_DEPROVISIONED: SandboxLifecycle.ValueType  # 3
 SANDBOX_TEARDOWN_FAILED: SandboxLifecycle.ValueType  # 4
 Global___SandboxLifecycle: _TypeAlias = SandboxLifecycle  # noqa: Y015
 
+class _EffectOp:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EffectOpEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EffectOp.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    EFFECT_OP_UNSPECIFIED: _EffectOp.ValueType  # 0
+    EFFECT_OP_ENSURE: _EffectOp.ValueType  # 1
+    EFFECT_OP_DEPROVISION: _EffectOp.ValueType  # 2
+
+class EffectOp(_EffectOp, metaclass=_EffectOpEnumTypeWrapper):
+    """A driver call decided but not yet completed: the outbox entry. It is written in the
+    decision's transaction; the call runs outside any transaction; its result is folded back
+    (outcome event + entry removed) in a later transaction, by whichever pod owns the
+    partition then. Drivers are idempotent by name, so re-running a pending entry after a
+    crash or a rebalance is safe, and the outcome exists once: it is written only by the
+    transaction that removes the entry.
+    """
+
+EFFECT_OP_UNSPECIFIED: EffectOp.ValueType  # 0
+EFFECT_OP_ENSURE: EffectOp.ValueType  # 1
+EFFECT_OP_DEPROVISION: EffectOp.ValueType  # 2
+Global___EffectOp: _TypeAlias = EffectOp  # noqa: Y015
+
 @_typing.final
 class SandboxStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -73,6 +97,71 @@ class SandboxStatus(_message.Message):
 Global___SandboxStatus: _TypeAlias = SandboxStatus  # noqa: Y015
 
 @_typing.final
+class PendingEffect(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMAND_ID_FIELD_NUMBER: _builtins.int
+    OP_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
+    SANDBOX_ID_FIELD_NUMBER: _builtins.int
+    TASK_QUEUE_FIELD_NUMBER: _builtins.int
+    CALLER_CLASS_FIELD_NUMBER: _builtins.int
+    CRITICAL_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    CAUSATION_ID_FIELD_NUMBER: _builtins.int
+    OCCURRED_AT_FIELD_NUMBER: _builtins.int
+    MINT_SCOPE_FIELD_NUMBER: _builtins.int
+    MINT_SESSION_ID_FIELD_NUMBER: _builtins.int
+    MINT_EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    MINT_ORG_FIELD_NUMBER: _builtins.int
+    MINT_CALLER_IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    command_id: _builtins.str
+    """Deterministic: derived_event_id(causation_id, "Ensure" | "Deprovision", scope)."""
+    op: Global___EffectOp.ValueType
+    scope: _common_pb2.SandboxScope.ValueType
+    sandbox_id: _builtins.str
+    task_queue: _builtins.str
+    caller_class: _builtins.str
+    critical: _builtins.bool
+    phase: _common_pb2.ExecutionPhase.ValueType
+    causation_id: _builtins.str
+    """The input event that decided it (outcome ids and timestamps derive from it)."""
+    mint_scope: _builtins.str
+    """What the credential mint needs (never a token)."""
+    mint_session_id: _builtins.str
+    mint_execution_id: _builtins.str
+    mint_org: _builtins.str
+    mint_caller_identity_id: _builtins.str
+    @_builtins.property
+    def occurred_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        command_id: _builtins.str = ...,
+        op: Global___EffectOp.ValueType = ...,
+        scope: _common_pb2.SandboxScope.ValueType = ...,
+        sandbox_id: _builtins.str = ...,
+        task_queue: _builtins.str = ...,
+        caller_class: _builtins.str = ...,
+        critical: _builtins.bool = ...,
+        phase: _common_pb2.ExecutionPhase.ValueType = ...,
+        causation_id: _builtins.str = ...,
+        occurred_at: _timestamp_pb2.Timestamp | None = ...,
+        mint_scope: _builtins.str = ...,
+        mint_session_id: _builtins.str = ...,
+        mint_execution_id: _builtins.str = ...,
+        mint_org: _builtins.str = ...,
+        mint_caller_identity_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["occurred_at", b"occurred_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_class", b"caller_class", "causation_id", b"causation_id", "command_id", b"command_id", "critical", b"critical", "mint_caller_identity_id", b"mint_caller_identity_id", "mint_execution_id", b"mint_execution_id", "mint_org", b"mint_org", "mint_scope", b"mint_scope", "mint_session_id", b"mint_session_id", "occurred_at", b"occurred_at", "op", b"op", "phase", b"phase", "sandbox_id", b"sandbox_id", "scope", b"scope", "task_queue", b"task_queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PendingEffect: _TypeAlias = PendingEffect  # noqa: Y015
+
+@_typing.final
 class ExecutionState(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -88,6 +177,8 @@ class ExecutionState(_message.Message):
     APPLIED_EVENT_IDS_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     APPLIED_COUNT_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
+    DEFERRED_STATUS_ERROR_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     execution_id: _builtins.str
     kind: _common_pb2.ExecutionKind.ValueType
@@ -99,6 +190,11 @@ class ExecutionState(_message.Message):
     """status.error: first non-empty wins."""
     applied_count: _builtins.int
     """Number of input events applied over the execution's life."""
+    deferred_status_error: _builtins.str
+    """A phase change's error that arrived while a session ensure was pending: stamped when the
+    ensure completes, after the ensure's own pre-stamp had its chance (upstream pre-stamps
+    synchronously, before the execution can move on).
+    """
     @_builtins.property
     def sandboxes(self) -> _containers.RepeatedCompositeFieldContainer[Global___SandboxStatus]: ...
     @_builtins.property
@@ -107,6 +203,10 @@ class ExecutionState(_message.Message):
 
     @_builtins.property
     def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def pending(self) -> _containers.RepeatedCompositeFieldContainer[Global___PendingEffect]:
+        """Driver calls decided and not yet completed, in decision order."""
+
     def __init__(
         self,
         *,
@@ -122,10 +222,12 @@ class ExecutionState(_message.Message):
         applied_event_ids: _abc.Iterable[_builtins.str] | None = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         applied_count: _builtins.int = ...,
+        pending: _abc.Iterable[Global___PendingEffect] | None = ...,
+        deferred_status_error: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "created", b"created", "execution_id", b"execution_id", "kind", b"kind", "org", b"org", "phase", b"phase", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "created", b"created", "deferred_status_error", b"deferred_status_error", "execution_id", b"execution_id", "kind", b"kind", "org", b"org", "pending", b"pending", "phase", b"phase", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
