@@ -56,6 +56,8 @@ def pod_config(settings: Settings) -> PodConfig:
         session_timeout_ms=settings.session_timeout_ms,
         shutdown_timeout_s=settings.shutdown_timeout_s,
         driver_concurrency=settings.driver_concurrency,
+        max_batch=settings.max_batch,
+        transaction_timeout_ms=settings.transaction_timeout_ms,
         create_topics=settings.create_topics,
     )
 

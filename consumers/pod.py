@@ -294,6 +294,14 @@ class Pod:
 
     async def release(self, partitions: set[int]) -> None:
         """Revoked: forget the partitions' state, void their driver calls' results, close their writers."""
+        if partitions:
+            logger.info(
+                "partitions released: their driver results are void here, the next owner re-runs them",
+                extra={
+                    "partitions": ",".join(map(str, sorted(partitions))),
+                    "outstanding": self.effects.outstanding,
+                },
+            )
         async with self.batch_lock:
             self.effects.disown(partitions)
             self.store.drop(partitions)
@@ -434,11 +442,13 @@ class Pod:
                 await asyncio.gather(
                     *(self._process_partition(p, recs, comps) for p, (recs, comps) in work.items())
                 )
-        self._apply_backpressure(assigned)
+        self._apply_backpressure()
 
-    def _apply_backpressure(self, assigned: set[TopicPartition]) -> None:
+    def _apply_backpressure(self) -> None:
         """Pause fetching while too many driver calls are out; resume once most are folded back."""
         assert self._consumer is not None
+        # Now, not the turn's start: a fence may have dropped the assignment meanwhile (rejoining).
+        assigned = self._consumer.assignment()
         outstanding = self.effects.outstanding
         self.metrics.effects_outstanding.set(outstanding)
         high = max(4 * self.config.driver_concurrency, 4 * self.config.max_batch)

@@ -69,6 +69,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SANDBOX_LANES_SESSION_TIMEOUT_MS", "10000", "consumer group session timeout"),
     Setting("SANDBOX_LANES_SHUTDOWN_TIMEOUT_S", "30", "bound on graceful shutdown after SIGTERM"),
     Setting("SANDBOX_LANES_ENSURE_TIMEOUT_S", "120", "bound on one driver ensure"),
+    Setting("SANDBOX_LANES_MAX_BATCH", "500", "records fetched per turn at most"),
+    Setting(
+        "SANDBOX_LANES_TRANSACTION_TIMEOUT_MS",
+        "15000",
+        "Kafka transaction timeout (transactions hold decisions and results, never a driver call)",
+    ),
     Setting(
         "SANDBOX_LANES_DRIVER_CONCURRENCY",
         "32",
@@ -312,6 +318,8 @@ class Settings:
     session_timeout_ms: int
     shutdown_timeout_s: float
     driver_concurrency: int
+    max_batch: int
+    transaction_timeout_ms: int
     ensure_timeout_s: float
     teardown_timeout_s: float
     provisioner_type: str
@@ -419,6 +427,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         session_timeout_ms=_int(env, "SANDBOX_LANES_SESSION_TIMEOUT_MS", 1000),
         shutdown_timeout_s=_float(env, "SANDBOX_LANES_SHUTDOWN_TIMEOUT_S"),
         driver_concurrency=_int(env, "SANDBOX_LANES_DRIVER_CONCURRENCY", 1),
+        max_batch=_int(env, "SANDBOX_LANES_MAX_BATCH", 1),
+        transaction_timeout_ms=_int(env, "SANDBOX_LANES_TRANSACTION_TIMEOUT_MS", 1000),
         ensure_timeout_s=_float(env, "SANDBOX_LANES_ENSURE_TIMEOUT_S"),
         teardown_timeout_s=_float(env, "SANDBOX_LANES_TEARDOWN_TIMEOUT_S"),
         provisioner_type=_provisioner_type(env),

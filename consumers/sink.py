@@ -83,8 +83,12 @@ class BatchSink:
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
         """Make the writes durable together with the input offsets (next offset to read)."""
         if self._futures:
-            await asyncio.gather(*self._futures)
-            self._futures = []
+            futures, self._futures = self._futures, []
+            # Every result retrieved (a fenced producer fails them all), the first failure raised.
+            results = await asyncio.gather(*futures, return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
         if self._guarantee == "exactly_once":
             if offsets:
                 await self.producer.send_offsets_to_transaction(
@@ -100,7 +104,11 @@ class BatchSink:
             return
         self._open = False
         for future in self._futures:
-            future.cancel()
+            if future.done():
+                if not future.cancelled():
+                    future.exception()  # retrieved: the abort is the answer to it
+            else:
+                future.cancel()
         self._futures = []
         if self._guarantee == "exactly_once":
             await self.producer.abort_transaction()

@@ -36,11 +36,20 @@ class RecordedCall:
 
 @dataclass
 class MemoryProvisioner(ScopedMethods):
-    """Keeps sandboxes in a dict; optional injected failure rates for chaos runs."""
+    """Keeps sandboxes in a dict; optional injected failures, latency and hangs for chaos runs.
+
+    Latency stands in for a real engine's (a docker create takes ~200 ms here) so that throughput
+    and resilience figures are measured with calls that take time; a hang never returns (the
+    executor's ensure/teardown timeout ends it).
+    """
 
     name: str = "memory"
     ensure_failure_rate: float = 0.0
     teardown_failure_rate: float = 0.0
+    ensure_latency_ms: float = 0.0
+    teardown_latency_ms: float = 0.0
+    latency_jitter_ms: float = 0.0
+    hang_rate: float = 0.0
     seed: int = 0
     calls: list[RecordedCall] = field(default_factory=list)
     live: dict[tuple[SandboxScope, str], SandboxProbeState] = field(default_factory=dict)
@@ -53,7 +62,15 @@ class MemoryProvisioner(ScopedMethods):
     def driver_name(self) -> str:
         return self.name
 
+    async def _delay(self, latency_ms: float) -> None:
+        if self.hang_rate and self._rng.random() < self.hang_rate:
+            await asyncio.Event().wait()  # hangs until cancelled (the executor's timeout)
+        jitter = self._rng.uniform(0, self.latency_jitter_ms) if self.latency_jitter_ms else 0.0
+        if latency_ms or jitter:
+            await asyncio.sleep((latency_ms + jitter) / 1000)
+
     async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+        await self._delay(self.ensure_latency_ms)
         self.calls.append(
             RecordedCall(
                 "ensure", scope, sandbox_id, env.task_queue, env.stigmer_token != "", env.caller_class
@@ -64,6 +81,7 @@ class MemoryProvisioner(ScopedMethods):
         self.live[(scope, sandbox_id)] = "running"
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
+        await self._delay(self.teardown_latency_ms)
         self.calls.append(RecordedCall("deprovision", scope, sandbox_id))
         if self.teardown_failure_rate and self._rng.random() < self.teardown_failure_rate:
             raise SandboxError("injected teardown failure")
@@ -86,6 +104,15 @@ class MemoryProvisioner(ScopedMethods):
 
 
 def new_memory_provisioner(config: DriverConfig, logger: logging.Logger) -> MemoryProvisioner:
-    rate = float(config.options.get("ensure_failure_rate", "0") or 0)
-    teardown = float(config.options.get("teardown_failure_rate", "0") or 0)
-    return MemoryProvisioner(ensure_failure_rate=rate, teardown_failure_rate=teardown)
+    def number(name: str) -> float:
+        return float(config.options.get(name, "0") or 0)
+
+    return MemoryProvisioner(
+        ensure_failure_rate=number("ensure_failure_rate"),
+        teardown_failure_rate=number("teardown_failure_rate"),
+        ensure_latency_ms=number("ensure_latency_ms"),
+        teardown_latency_ms=number("teardown_latency_ms"),
+        latency_jitter_ms=number("latency_jitter_ms"),
+        hang_rate=number("hang_rate"),
+        seed=int(number("seed")),
+    )

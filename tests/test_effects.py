@@ -1,0 +1,105 @@
+"""The effect runner on its own: concurrency across sandboxes, order within one, ownership."""
+
+from __future__ import annotations
+
+import asyncio
+
+from consumers.credentials import SandboxCredentialRequest
+from consumers.effects import EffectRunner
+from consumers.rules import Command, CommandResult, Deprovision, Ensure
+
+MINT = SandboxCredentialRequest("workflow", "", "wfx", "org", "usr")
+
+
+def ensure(sandbox_id: str) -> Ensure:
+    return Ensure("workflow", sandbox_id, f"wfexec:{sandbox_id}", "", MINT, True)
+
+
+def teardown(sandbox_id: str) -> Deprovision:
+    return Deprovision("workflow", sandbox_id, 5)
+
+
+class Recorder:
+    """A driver stand-in that takes ``delay_s`` per call and records start/end order."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+        self.events: list[tuple[str, str, str]] = []
+        self.running = 0
+        self.peak = 0
+
+    async def __call__(self, command: Command) -> CommandResult:
+        op = type(command).__name__
+        self.events.append(("start", op, command.sandbox_id))
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        await asyncio.sleep(self.delay_s)
+        self.running -= 1
+        self.events.append(("end", op, command.sandbox_id))
+        return CommandResult(ok=True)
+
+
+async def until_done(runner: EffectRunner, n: int, timeout_s: float = 10.0) -> list[str]:
+    taken: list[str] = []
+    async with asyncio.timeout(timeout_s):
+        while len(taken) < n:
+            await runner.ready.wait()
+            taken += [c.effect_id for c in runner.take()]
+    return taken
+
+
+async def test_calls_for_different_sandboxes_run_concurrently_up_to_the_bound() -> None:
+    recorder = Recorder(0.2)
+    runner = EffectRunner(recorder, concurrency=8)
+    for i in range(16):
+        assert runner.submit(0, f"wfx_{i}", f"e{i}", ensure(f"wfx_{i}"))
+    await until_done(runner, 16)
+    assert recorder.peak == 8  # eight at once, never more
+    assert runner.outstanding == 0
+
+
+async def test_calls_for_one_sandbox_run_in_submission_order_never_overlapping() -> None:
+    recorder = Recorder(0.05)
+    runner = EffectRunner(recorder, concurrency=8)
+    runner.submit(0, "wfx_a", "ensure", ensure("wfx_a"))
+    runner.submit(0, "wfx_a", "teardown", teardown("wfx_a"))
+    runner.submit(1, "wfx_b", "other", ensure("wfx_b"))
+    done = await until_done(runner, 3)
+    mine = [e for e in recorder.events if e[2] == "wfx_a"]
+    assert mine == [
+        ("start", "Ensure", "wfx_a"),
+        ("end", "Ensure", "wfx_a"),
+        ("start", "Deprovision", "wfx_a"),
+        ("end", "Deprovision", "wfx_a"),
+    ]
+    assert done.index("ensure") < done.index("teardown")
+
+
+async def test_a_resubmitted_effect_id_runs_once() -> None:
+    recorder = Recorder(0.05)
+    runner = EffectRunner(recorder, concurrency=4)
+    assert runner.submit(0, "wfx_a", "e1", ensure("wfx_a"))
+    assert not runner.submit(0, "wfx_a", "e1", ensure("wfx_a"))
+    await until_done(runner, 1)
+    assert [e for e in recorder.events if e[0] == "start"] == [("start", "Ensure", "wfx_a")]
+
+
+async def test_a_disowned_partition_drops_queued_calls_and_voids_running_results() -> None:
+    recorder = Recorder(0.2)
+    runner = EffectRunner(recorder, concurrency=4)
+    runner.own([0, 1])
+    runner.submit(0, "wfx_a", "running", ensure("wfx_a"))
+    runner.submit(0, "wfx_a", "queued", teardown("wfx_a"))
+    runner.submit(1, "wfx_b", "kept", ensure("wfx_b"))
+    await asyncio.sleep(0.05)  # the two ensures are running, the teardown waits behind wfx_a's
+    runner.disown([0])
+    done = await until_done(runner, 1)
+    assert done == ["kept"]
+    assert await runner.wait_idle(2.0)
+    assert runner.take() == []  # the running call finished; its result is void
+    assert ("start", "Deprovision", "wfx_a") not in recorder.events  # the queued one never ran
+    assert runner.outstanding == 0
+    # Owned again (the partition came back): the same effect ids may run again.
+    runner.own([0])
+    assert runner.submit(0, "wfx_a", "queued", teardown("wfx_a"))
+    assert await until_done(runner, 1) == ["queued"]

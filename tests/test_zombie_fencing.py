@@ -1,0 +1,140 @@
+"""Zombie fencing on a real broker: a pod that lost its partitions cannot commit anything.
+
+The fence itself (one transactional producer per input partition, ``<group>-p<N>``), then the
+whole story: a pod paused past its session timeout with driver work done, its partitions taken
+over, then resumed."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaError
+
+from consumers.settings import load_settings
+from consumers.sink import PartitionSinks
+from consumers.topology import Topics
+from events.codec import EncodedRecord, new_meta
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
+from tests.pod_harness import PodProcess, latest_states, produce, read_topic, unique_env
+
+pytestmark = [pytest.mark.kafka]
+
+RUN = uuid.uuid4().hex[:8]
+
+
+async def test_the_next_owner_of_a_partition_fences_the_previous_writer(kafka_bootstrap: str) -> None:
+    topic = f"fence-{RUN}"
+    group = f"fence-group-{RUN}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    finally:
+        await admin.close()
+    consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=None)
+    await consumer.start()
+    options = {"bootstrap_servers": kafka_bootstrap, "acks": "all"}
+    old = PartitionSinks(consumer, group, "exactly_once", options)
+    new = PartitionSinks(consumer, group, "exactly_once", options)
+    try:
+        await old.open([0])
+        zombie = old.get(0)
+        assert zombie is not None
+        await zombie.begin()
+        await zombie.send(topic, EncodedRecord(b"k", b"from-the-zombie", []), partition=0)
+        await zombie.producer.flush()
+
+        await new.open([0])  # the rebalanced owner: same transactional id, new epoch
+        owner = new.get(0)
+        assert owner is not None
+        await owner.begin()
+        await owner.send(topic, EncodedRecord(b"k", b"from-the-owner", []), partition=0)
+        await owner.commit({})
+
+        with pytest.raises(KafkaError):
+            await zombie.commit({TopicPartition("any-input", 0): 1})
+        reader = AIOKafkaConsumer(
+            topic,
+            bootstrap_servers=kafka_bootstrap,
+            group_id=None,
+            auto_offset_reset="earliest",
+            isolation_level="read_committed",
+        )
+        await reader.start()
+        try:
+            batch = await reader.getmany(timeout_ms=3000)
+        finally:
+            await reader.stop()
+        values = [r.value for recs in batch.values() for r in recs]
+        assert values == [b"from-the-owner"]
+    finally:
+        await old.stop()
+        await new.stop()
+        await consumer.stop()
+
+
+def wf_created(execution_id: str) -> inputs_pb2.ExecutionCreated:
+    return inputs_pb2.ExecutionCreated(
+        meta=new_meta(),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id=execution_id,
+        workflow_execution_target=common_pb2.CLOUD,
+    )
+
+
+async def test_a_pod_paused_past_its_session_timeout_and_resumed_writes_no_second_outcome(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    env = unique_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_PROVISIONER_TYPE="memory",
+        SANDBOX_LANES_DRIVER_OPTIONS="ensure_latency_ms=4000",
+    )
+    topics: Topics = load_settings(env).topics
+    executions = [f"wfx_zombie_{RUN}_{i}" for i in range(20)]
+    zombie = PodProcess(env, tmp_path / "pod-a.log")
+    zombie.start()
+    await zombie.wait_for_log("state restored")
+    await produce(kafka_bootstrap, env, *(wf_created(e) for e in executions))
+    # Its decisions are committed and its driver calls are running when it is stopped.
+    states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=20, timeout_s=30))
+    assert all(len(states[e].pending) == 1 for e in executions)
+    assert zombie.proc is not None
+    zombie.proc.send_signal(signal.SIGSTOP)
+    owner = PodProcess(
+        {**env, "SANDBOX_LANES_POD_ID": "pod-b", "SANDBOX_LANES_DRIVER_OPTIONS": "ensure_latency_ms=50"},
+        tmp_path / "pod-b.log",
+    )
+    try:
+        owner.start()
+        # Past the 6 s session timeout the group drops the stopped pod; the owner takes over both
+        # partitions, fences their writer and finishes the pending calls.
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=20, timeout_s=90)
+        await owner.wait_for_log("outbox resumed")
+        # The zombie wakes: its 4 s driver calls are done, and it tries to fold them back.
+        zombie.proc.send_signal(signal.SIGCONT)
+        await asyncio.sleep(15)  # time to try its commits, be fenced, rejoin, and settle
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=20, timeout_s=30)
+    finally:
+        if zombie.proc is not None and zombie.proc.poll() is None:
+            zombie.proc.send_signal(signal.SIGCONT)
+        codes = [pod.terminate()[0] for pod in (zombie, owner) if pod.proc is not None]
+    log = zombie.log()
+    ids = Counter(r.message.meta.event_id for r in outcomes)
+    assert [i for i, n in ids.items() if n > 1] == [], log[-3000:]
+    per_execution = Counter(
+        r.message.execution_id for r in outcomes if isinstance(r.message, outcomes_pb2.SandboxProvisioned)
+    )
+    assert per_execution == Counter(executions), log[-3000:]
+    # The zombie stood down: it tried to commit and was fenced, or the rejoin revoked its
+    # partitions (voiding its results) before it tried.
+    assert "fenced: another writer owns the partition" in log or "partitions released" in log, log[-3000:]
+    assert codes == [0, 0], log[-5000:]
