@@ -22,6 +22,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -175,6 +176,11 @@ class Pod:
 
     async def start(self) -> None:
         cfg = self.config
+        # Drivers call blocking SDKs (docker, kubernetes) through asyncio.to_thread: the default
+        # executor (cores + 4 threads) would cap the driver concurrency at 6 on a 2-core node.
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=cfg.driver_concurrency + 4, thread_name_prefix="sandbox-lanes-io")
+        )
         if cfg.create_topics:
             admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap)
             await admin.start()

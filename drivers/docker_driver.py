@@ -140,6 +140,7 @@ class DockerSettings:
     pids_limit: int
     network: str
     read_only: bool
+    max_pool_size: int
 
     @classmethod
     def from_config(cls, config: DriverConfig) -> DockerSettings:
@@ -159,6 +160,9 @@ class DockerSettings:
             pids_limit=int(_parse_number("pids_limit", o.get("pids_limit", "") or "4096", minimum=0)),
             network=o.get("network", "") or "none",
             read_only=_parse_bool("read_only", o.get("read_only", "")),
+            # The pod runs up to SANDBOX_LANES_DRIVER_CONCURRENCY calls at once (default 32); the
+            # SDK's default pool of 10 connections would open and discard the rest each time.
+            max_pool_size=int(_parse_number("max_pool_size", o.get("max_pool_size", "") or "32", minimum=1)),
         )
 
 
@@ -212,7 +216,12 @@ class DockerProvisioner(ScopedMethods):
                 s = self._settings
 
                 def connect() -> Any:
-                    return docker.DockerClient(base_url=s.base_url, version=s.api_version, timeout=s.timeout)
+                    return docker.DockerClient(
+                        base_url=s.base_url,
+                        version=s.api_version,
+                        timeout=s.timeout,
+                        max_pool_size=s.max_pool_size,
+                    )
 
                 try:
                     self._client = await asyncio.to_thread(connect)

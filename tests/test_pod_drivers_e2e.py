@@ -115,6 +115,59 @@ async def test_pod_with_the_docker_driver_runs_a_container_and_removes_it(
 
 
 @pytest.mark.kafka
+@pytest.mark.docker
+async def test_a_burst_of_docker_creates_never_holds_a_transaction_and_every_one_completes(
+    kafka_bootstrap: str, dockerd: Dockerd, docker_image: str, tmp_path: Path
+) -> None:
+    # The burst that wedged the pod when driver calls ran inside the transaction: 100 CLOUD
+    # workflows at once, a 5 s transaction timeout, ~0.2 s per container create on this engine.
+    run = uuid.uuid4().hex[:8]
+    executions = [f"wfx_burst_{run}_{i}" for i in range(100)]
+    env = driver_env(
+        kafka_bootstrap,
+        tmp_path,
+        "docker",
+        f"docker_host={dockerd.socket_url},image={docker_image},memory=32m,cpus=0.1",
+        SANDBOX_LANES_TRANSACTION_TIMEOUT_MS="5000",
+    )
+    topics = load_settings(env).topics
+    client = docker.DockerClient(base_url=dockerd.socket_url, version="auto")
+    label = f"{LABEL_MANAGED_BY}=stigmer-server"
+    try:
+        async with running_pod(env) as composed:
+            await produce(
+                kafka_bootstrap,
+                env,
+                *(
+                    created(e, common_pb2.WORKFLOW_EXECUTION, workflow_execution_target=common_pb2.CLOUD)
+                    for e in executions
+                ),
+            )
+            provisioned = await read_topic(kafka_bootstrap, topics.outcomes, at_least=100, timeout_s=240)
+            assert sorted(
+                r.message.execution_id
+                for r in provisioned
+                if isinstance(r.message, outcomes_pb2.SandboxProvisioned)
+            ) == sorted(executions)
+            running = {c.name for c in client.containers.list(filters={"label": label})}
+            assert {sandbox_base_name("workflow", e) for e in executions} <= running
+
+            await produce(kafka_bootstrap, env, *(completed(e) for e in executions))
+            outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=200, timeout_s=240)
+            assert composed.pod.stats.commit_failures == 0
+        torn_down = [r for r in outcomes if isinstance(r.message, outcomes_pb2.SandboxDeprovisioned)]
+        assert sorted(r.message.execution_id for r in torn_down) == sorted(executions)
+        assert len({r.message.meta.event_id for r in outcomes}) == len(outcomes) == 200
+        names = {sandbox_base_name("workflow", e) for e in executions}
+        assert names.isdisjoint(c.name for c in client.containers.list(all=True, filters={"label": label}))
+    finally:
+        for c in client.containers.list(all=True, filters={"label": label}):
+            if c.labels.get(LABEL_SANDBOX_ID, "").startswith(f"wfx_burst_{run}"):
+                c.remove(force=True)
+        client.close()
+
+
+@pytest.mark.kafka
 async def test_an_unreachable_docker_engine_is_each_lanes_failure_path(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
