@@ -322,16 +322,20 @@ class Pod:
         """Assigned: fence the previous writer, read the offsets it left, restore, resume its outbox."""
         partitions = {tp.partition for tp in assigned}
         assert self._sinks is not None and self._consumer is not None
-        async with self.batch_lock:
-            self._fenced -= partitions
-            # exactly_once: InitProducerId for <group>-p<N> aborts (or waits out) the previous
-            # owner's transaction, so the committed offsets read next are the stable ones.
-            await self._sinks.open(partitions)
-            self.effects.own(partitions)
-            for tp in assigned:
-                committed = await self._consumer.committed(tp)
-                if committed is not None and committed >= 0:
-                    self._consumer.seek(tp, committed)
+        self._restoring = True  # taking over is part of the recovery: not ready until restored
+        try:
+            async with self.batch_lock:
+                self._fenced -= partitions
+                # exactly_once: InitProducerId for <group>-p<N> aborts (or waits out) the previous
+                # owner's transaction, so the committed offsets read next are the stable ones.
+                await self._sinks.open(partitions)
+                self.effects.own(partitions)
+                for tp in assigned:
+                    committed = await self._consumer.committed(tp)
+                    if committed is not None and committed >= 0:
+                        self._consumer.seek(tp, committed)
+        finally:
+            self._restoring = False
         await self.restore(partitions)
 
     async def restore(self, partitions: set[int]) -> None:

@@ -42,7 +42,7 @@ from drivers.local_process import new_local_process_provisioner
 from events.codec import encode
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 from scripts.kafka_broker import KafkaBroker, prepare
-from tests.chaos_verify import Verdict, read_all, verify, wait_caught_up
+from tests.chaos_verify import Verdict, read_all, verify, wait_caught_up, wait_effects_folded
 from tests.chaos_workload import LANE_ENV, Workload, expectations, generate, lane_config
 from tests.pod_harness import ROOT, PodProcess, unique_env
 from tests.proc_util import processes_under
@@ -63,6 +63,10 @@ class ChaosOptions:
     rebalance_windows: int = 1
     ensure_failure_rate: float = 0.05
     teardown_failure_rate: float = 0.05
+    #: Memory driver: each call takes 0..latency_ms (a real engine's time), and this share hangs
+    #: until the pod's ensure/teardown timeout (5 s in a run with hangs) ends it.
+    latency_ms: float = 0.0
+    hang_rate: float = 0.0
     feed_seconds: float | None = None
     partitions: int = 3
     settle_timeout_s: float = 300.0
@@ -229,12 +233,16 @@ async def feed(
 
 def _driver_env(opts: ChaosOptions, work: Path, workload: Workload, rng: random.Random) -> dict[str, str]:
     if opts.driver == "memory":
-        return {
+        env = {
             "SANDBOX_PROVISIONER_TYPE": "memory",
             "SANDBOX_LANES_DRIVER_OPTIONS": (
-                f"ensure_failure_rate={opts.ensure_failure_rate},teardown_failure_rate={opts.teardown_failure_rate}"
+                f"ensure_failure_rate={opts.ensure_failure_rate},teardown_failure_rate={opts.teardown_failure_rate},"
+                f"latency_jitter_ms={opts.latency_ms},hang_rate={opts.hang_rate},seed={rng.randrange(1 << 30)}"
             ),
         }
+        if opts.hang_rate:
+            env["SANDBOX_LANES_ENSURE_TIMEOUT_S"] = env["SANDBOX_LANES_TEARDOWN_TIMEOUT_S"] = "5"
+        return env
     # local-process: real runner processes. Ensure failures: the workspace path of a share of
     # sandboxes is a plain file (mkdir fails). Teardown failures: a share of runners ignore SIGTERM
     # for longer than the teardown timeout (a real leak until the reaper's SIGKILL).
@@ -428,12 +436,17 @@ async def one_run(
         lag = await wait_caught_up(
             bootstrap, settings.group_id, list(topics.inputs), opts.settle_timeout_s, fleet.check
         )
+        unfolded = await wait_effects_folded(bootstrap, topics.state, opts.settle_timeout_s, fleet.check)
     finally:
         fleet.stop_all()
     verdict, _states = await verify(bootstrap, topics, expected, guarantee=guarantee, all_event_ids=all_ids)
     verdict.check("pod never stopped by itself", fleet.unplanned[:5])
     verdict.check(
         "the group consumed every input", [] if lag == 0 else [f"{lag} input records not committed"]
+    )
+    verdict.check(
+        "every driver call folded back",
+        [] if unfolded == 0 else [f"{unfolded} execution states still hold pending driver calls"],
     )
     if opts.driver == "local-process":
         problems, figures = await _local_process_leaks(
@@ -554,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ensure-failure-rate", type=float, default=0.05)
     parser.add_argument("--teardown-failure-rate", type=float, default=0.05)
+    parser.add_argument("--latency-ms", type=float, default=0.0, help="memory driver: calls take 0..this long")
+    parser.add_argument("--hang-rate", type=float, default=0.0, help="memory driver: share of calls that hang")
     parser.add_argument(
         "--feed-seconds", type=float, help="spread the feed over this long (default max(20, N/60))"
     )
@@ -575,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
         rebalance_windows=args.rebalance_windows,
         ensure_failure_rate=args.ensure_failure_rate,
         teardown_failure_rate=args.teardown_failure_rate,
+        latency_ms=args.latency_ms,
+        hang_rate=args.hang_rate,
         feed_seconds=args.feed_seconds,
         partitions=args.partitions,
         settle_timeout_s=args.settle_timeout,

@@ -118,6 +118,34 @@ async def wait_caught_up(
     return lag
 
 
+async def wait_effects_folded(
+    bootstrap: str, state_topic: str, timeout_s: float, on_tick: object = None
+) -> int:
+    """Wait until no execution state holds a pending driver call (its result folded back).
+
+    Offsets are committed when a record is decided; its driver call completes in a later
+    transaction, so "the group caught up" alone does not mean every outcome is written.
+    Returns the number of states still pending (0 = done).
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = -1
+    while time.monotonic() < deadline:
+        latest: dict[bytes, bytes | None] = {}
+        try:
+            for rec in await read_all(bootstrap, state_topic):
+                latest[rec.key or b""] = rec.value
+        except Exception:  # broker briefly unreachable: ask again
+            await asyncio.sleep(1.0)
+            continue
+        pending = sum(1 for v in latest.values() if v is not None and decode_state(v).pending)
+        if pending == 0:
+            return 0
+        if callable(on_tick):
+            on_tick()
+        await asyncio.sleep(1.0)
+    return pending
+
+
 @dataclass
 class Outcome:
     ce_id: str

@@ -54,6 +54,8 @@ async def test_chaos_memory_driver_with_kills_a_broker_restart_and_a_rebalance(t
             bootstrap=None,  # its own broker: this one is restarted
             broker_restarts=1,
             rebalance_windows=1,
+            latency_ms=1000,  # driver calls that take time: in flight across kills and rebalances
+            hang_rate=0.01,
             work_dir=tmp_path,
         )
     )
