@@ -55,8 +55,10 @@ class EffectRunner:
         #: Per sandbox: the calls waiting behind the one running (a chain exists while it has work).
         self._chains: dict[tuple[str, str], list[_Call]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        #: Effect ids submitted and not yet completed or dropped (a resubmission is ignored).
-        self._taken: set[str] = set()
+        #: Effect id -> the call submitted and not yet completed or dropped. A resubmission is
+        #: ignored while that call belongs to the partition's current epoch; a call of an old
+        #: epoch (still running after its partition was disowned) does not block a new one.
+        self._taken: dict[str, _Call] = {}
         self._epochs: dict[int, int] = {}
         self._done: list[Completion] = []
         self.ready = asyncio.Event()
@@ -79,21 +81,38 @@ class EffectRunner:
             kept = [chain[0]] + [c for c in chain[1:] if c.partition not in gone]
             for call in chain[1:]:
                 if call.partition in gone:
-                    self._taken.discard(call.effect_id)
+                    self._forget(call)
             chain[:] = kept
+        dropped = [c for c in self._done if c.partition in gone]
         self._done = [c for c in self._done if c.partition not in gone]
+        for completion in dropped:
+            self._taken.pop(completion.effect_id, None)
+
+    def epoch(self, partition: int) -> int:
+        """The partition's ownership epoch (changes on every own/disown)."""
+        return self._epochs.get(partition, 0)
 
     def _current(self, call: _Call) -> bool:
         return self._epochs.get(call.partition, 0) == call.epoch
 
+    def _forget(self, call: _Call) -> None:
+        if self._taken.get(call.effect_id) is call:
+            del self._taken[call.effect_id]
+
     # --- work ---------------------------------------------------------------------------------
 
     def submit(self, partition: int, key: str, effect_id: str, command: Command) -> bool:
-        """Queue one call; False when the same effect id is already queued or running."""
-        if effect_id in self._taken:
+        """Queue one call; False when the same effect id is already queued or running.
+
+        A call of an old epoch with the same id (its partition was disowned while it ran) does
+        not count: the new call queues behind it on the sandbox's chain, so the outbox's order
+        holds — a teardown never overtakes the ensure it follows.
+        """
+        previous = self._taken.get(effect_id)
+        if previous is not None and self._current(previous):
             return False
-        self._taken.add(effect_id)
         call = _Call(partition, self._epochs.get(partition, 0), key, effect_id, command)
+        self._taken[effect_id] = call
         sandbox = (command.scope, command.sandbox_id)
         chain = self._chains.get(sandbox)
         if chain is not None:
@@ -115,7 +134,7 @@ class EffectRunner:
         done, self._done = self._done, []
         self.ready.clear()
         for completion in done:
-            self._taken.discard(completion.effect_id)
+            self._taken.pop(completion.effect_id, None)
         return done
 
     async def _drive(self, sandbox: tuple[str, str]) -> None:
@@ -136,14 +155,14 @@ class EffectRunner:
                         self._done.append(done)
                         self.ready.set()
                     else:
-                        self._taken.discard(call.effect_id)
+                        self._forget(call)
                 else:
-                    self._taken.discard(call.effect_id)
+                    self._forget(call)
                 chain.pop(0)
         except Exception:  # the run callable turns failures into results; this is a bug guard
             logger.exception("effect chain failed", extra={"sandbox": "/".join(sandbox)})
             for call in chain:
-                self._taken.discard(call.effect_id)
+                self._forget(call)
             chain.clear()
         finally:
             del self._chains[sandbox]

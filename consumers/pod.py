@@ -107,7 +107,7 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
         await self._pod.release({tp.partition for tp in revoked})
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        await self._pod.take_over(assigned)
+        self._pod.assigned(assigned)
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,16 @@ class Pod:
         self._retry: list[Completion] = []
         #: Partitions whose writer was fenced: nothing of theirs runs until the group reassigns them.
         self._fenced: set[int] = set()
+        #: Partitions taken over (previous writer fenced, committed offset sought, new epoch).
+        #: aiokafka hands out a new assignment's records before its assignment callback ends, so
+        #: records, restores and driver calls wait for this, not for ``consumer.assignment()``.
+        self._owned: set[int] = set()
+        #: Where :meth:`take_over` sought each partition: records fetched before that seek differ.
+        self._sought: dict[TopicPartition, int] = {}
+        #: Set when a take-over failed: the loop re-subscribes, which rejoins the group.
+        self._rejoin = False
+        #: Take-overs in flight (at most one: a rebalance first releases, which cancels it).
+        self._taking_over: set[asyncio.Task[None]] = set()
         #: When each outbox entry was decided (monotonic), for the time-to-sandbox histogram.
         self._decided_at: dict[str, float] = {}
         self._throttled = False
@@ -231,6 +241,10 @@ class Pod:
         self._consumer.subscribe(list(self.config.topics.inputs), listener=_Rebalance(self))
 
     async def stop(self) -> None:
+        for task in list(self._taking_over):
+            task.cancel()
+        if self._taking_over:
+            await asyncio.wait(set(self._taking_over), timeout=_CLOSE_RESERVE_S)
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._consumer.stop()
@@ -298,8 +312,31 @@ class Pod:
             if late:
                 await asyncio.wait(late, timeout=_CLOSE_RESERVE_S)
 
+    def assigned(self, assigned: set[TopicPartition]) -> None:
+        """Assigned (aiokafka's coordinator calls this): start taking the partitions over, return at once.
+
+        aiokafka sends no heartbeat until the assignment callback has returned (its heartbeat
+        task starts after it), and the take-over can wait long: InitProducerId waits out the
+        previous owner's open transaction (up to the transaction timeout), and the restore reads
+        the whole state partition. Done inside the callback, that outlives the session timeout
+        and the group expels the pod again and again. So the partitions are paused here and
+        taken over in a task; :meth:`take_over` resumes them once they are owned.
+        """
+        if not assigned:
+            return
+        assert self._consumer is not None
+        self._consumer.pause(*assigned)
+        self._restoring = True
+        task = asyncio.get_running_loop().create_task(self.take_over(assigned))
+        self._taking_over.add(task)
+        task.add_done_callback(self._taking_over.discard)
+
     async def release(self, partitions: set[int]) -> None:
         """Revoked: forget the partitions' state, void their driver calls' results, close their writers."""
+        for task in list(self._taking_over):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
         if partitions:
             logger.info(
                 "partitions released: their driver results are void here, the next owner re-runs them",
@@ -309,6 +346,8 @@ class Pod:
                 },
             )
         async with self.batch_lock:
+            self._owned -= partitions
+            self._sought = {tp: o for tp, o in self._sought.items() if tp.partition not in partitions}
             self.effects.disown(partitions)
             self.store.drop(partitions)
             for p in partitions:
@@ -321,21 +360,43 @@ class Pod:
     async def take_over(self, assigned: set[TopicPartition]) -> None:
         """Assigned: fence the previous writer, read the offsets it left, restore, resume its outbox."""
         partitions = {tp.partition for tp in assigned}
-        assert self._sinks is not None and self._consumer is not None
         self._restoring = True  # taking over is part of the recovery: not ready until restored
         try:
+            await self._take_over(assigned, partitions)
+        except Exception as exc:
+            # aiokafka logs a failed callback and carries on with the partitions assigned: they
+            # would sit idle here. Give them back instead; the next turn rejoins the group.
+            logger.error(
+                "taking partitions over failed; rejoining the group",
+                extra={"partitions": ",".join(map(str, sorted(partitions))), "error": str(exc) or repr(exc)},
+            )
             async with self.batch_lock:
-                self._fenced -= partitions
-                # exactly_once: InitProducerId for <group>-p<N> aborts (or waits out) the previous
-                # owner's transaction, so the committed offsets read next are the stable ones.
-                await self._sinks.open(partitions)
-                self.effects.own(partitions)
-                for tp in assigned:
-                    committed = await self._consumer.committed(tp)
-                    if committed is not None and committed >= 0:
-                        self._consumer.seek(tp, committed)
+                self._owned -= partitions
+                self.effects.disown(partitions)
+                self.store.drop(partitions)
+            self._rejoin = True
         finally:
             self._restoring = False
+        if self._consumer is not None:
+            self._apply_backpressure()  # resumes what is owned (unless throttled or stopping)
+
+    async def _take_over(self, assigned: set[TopicPartition], partitions: set[int]) -> None:
+        assert self._sinks is not None and self._consumer is not None
+        async with self.batch_lock:
+            self._fenced -= partitions
+            # exactly_once: InitProducerId for <group>-p<N> aborts (or waits out) the previous
+            # owner's transaction, so the committed offsets read next are the stable ones.
+            await self._sinks.open(partitions)
+            committed = {tp: await self._consumer.committed(tp) for tp in assigned}
+            # From here to the end of the block nothing awaits: a turn sees the partitions either
+            # not owned (their records dropped, fetched again from the seek) or owned with their
+            # seek done and their epoch new.
+            for tp, offset in committed.items():
+                if offset is not None and offset >= 0:
+                    self._consumer.seek(tp, offset)
+                    self._sought[tp] = offset
+            self.effects.own(partitions)
+            self._owned |= partitions
         await self.restore(partitions)
 
     async def restore(self, partitions: set[int]) -> None:
@@ -367,8 +428,9 @@ class Pod:
         return Health(alive, ready, self._restoring, assigned, since, detail)
 
     async def _restore_missing(self, partitions: set[int]) -> None:
-        missing = partitions - self.store.owned()
+        missing = (partitions & self._owned) - self.store.owned()
         if missing:
+            epochs = {p: self.effects.epoch(p) for p in missing}
             report = await self.store.restore(
                 self.config.bootstrap,
                 missing,
@@ -380,6 +442,11 @@ class Pod:
             self.stats.restore_seconds += report.seconds
             self.metrics.restored_keys.inc(report.keys)
             self.metrics.restore_seconds.set(report.seconds)
+            # Released (or released and taken again) while reading: that read is not this epoch's.
+            stale = {p for p in missing if p not in self._owned or self.effects.epoch(p) != epochs[p]}
+            if stale:
+                self.store.drop(stale)
+                missing -= stale
             self.metrics.state_keys.set(len(self.store))
             resumed = 0
             for partition in missing:
@@ -400,6 +467,9 @@ class Pod:
     async def _loop(self) -> None:
         assert self._consumer is not None
         while not self._stop.is_set():
+            if self._rejoin:
+                self._rejoin = False
+                self._subscribe()
             # While driver calls are out, turn often enough to fold their results back promptly.
             busy = self.effects.outstanding > 0 or bool(self._retry)
             timeout_ms = min(10, self.config.poll_timeout_ms) if busy else self.config.poll_timeout_ms
@@ -435,13 +505,15 @@ class Pod:
     async def _turn(self, fetched: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> None:
         """One turn: per partition number, fold back the results so far and decide the records fetched."""
         assert self._consumer is not None
-        # Records can arrive while the assignment callback is still restoring, or for a
-        # partition revoked meanwhile: keep only assigned partitions, restored first.
-        assigned = self._consumer.assignment()
+        # Records arrive while the assignment callback is still taking a partition over, or for
+        # a partition revoked meanwhile: keep only partitions taken over, restored first.
         work: dict[int, tuple[dict[TopicPartition, _Records], list[Completion]]] = {}
         for tp, recs in fetched.items():
-            if recs and tp in assigned and tp.partition not in self._fenced:
-                work.setdefault(tp.partition, ({}, []))[0][tp] = recs
+            if not recs or tp.partition not in self._owned or tp.partition in self._fenced:
+                continue
+            if tp in self._sought and await self._drained_before_seek(tp, recs):
+                continue  # the fetch resumes at the take-over's seek
+            work.setdefault(tp.partition, ({}, []))[0][tp] = recs
         if work:
             await self.restore(set(work))
         async with self.batch_lock:
@@ -453,6 +525,21 @@ class Pod:
                     *(self._process_partition(p, recs, comps) for p, (recs, comps) in work.items())
                 )
         self._apply_backpressure()
+
+    async def _drained_before_seek(self, tp: TopicPartition, recs: _Records) -> bool:
+        """Were these records drained before :meth:`take_over` sought the partition?
+
+        Such records start below the committed offset the take-over read (the previous owner
+        committed them meanwhile), or the seek has since moved the position back over them.
+        The first batch that passes ends the check for the partition.
+        """
+        assert self._consumer is not None
+        sought = self._sought[tp]
+        position = await self._consumer.position(tp)  # known after a seek: returns at once
+        if recs[0].offset < sought or position <= recs[-1].offset:
+            return True
+        del self._sought[tp]
+        return False
 
     def _apply_backpressure(self) -> None:
         """Pause fetching while too many driver calls are out; resume once most are folded back."""
@@ -471,11 +558,15 @@ class Pod:
             )
         elif self._throttled and outstanding < low and not self._stop.is_set():
             self._throttled = False
-            self._consumer.resume(*[tp for tp in assigned if tp.partition not in self._fenced])
             logger.info("driver calls caught up, fetching again", extra={"outstanding": outstanding})
-        paused = [tp for tp in assigned if self._throttled or tp.partition in self._fenced]
+        # Fetch what is owned (taken over, not fenced) unless throttled or stopping; pause the rest.
+        fetching = not self._throttled and not self._stop.is_set()
+        resumed = [tp for tp in assigned if fetching and tp.partition in self._owned - self._fenced]
+        if resumed:
+            self._consumer.resume(*resumed)
+        paused = [tp for tp in assigned if tp not in set(resumed)]
         if paused:
-            self._consumer.pause(*paused)  # (again: a rebalance hands partitions back unpaused)
+            self._consumer.pause(*paused)
 
     async def _process_partition(
         self,
@@ -607,6 +698,7 @@ class Pod:
             extra={"partition": partition, "error": error},
         )
         self._fenced.add(partition)
+        self._owned.discard(partition)
         self.effects.disown({partition})
         self.store.drop({partition})
         self._created_done.pop(partition, None)

@@ -162,7 +162,12 @@ class PartitionSinks:
                 enable_idempotence=True,
                 transactional_id=transactional_id(self._group_id, partition),
             )
-            await producer.start()  # InitProducerId: bumps the epoch, aborts a zombie's open transaction
+            try:
+                await producer.start()  # InitProducerId: bumps the epoch, aborts a zombie's open transaction
+            except BaseException:  # failed or cancelled (revoked meanwhile): no half-open producer left
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(producer.stop())
+                raise
             self._sinks[partition] = self._sink(producer)
 
         await asyncio.gather(*(one(p) for p in wanted))

@@ -103,3 +103,36 @@ async def test_a_disowned_partition_drops_queued_calls_and_voids_running_results
     runner.own([0])
     assert runner.submit(0, "wfx_a", "queued", teardown("wfx_a"))
     assert await until_done(runner, 1) == ["queued"]
+
+
+async def test_taken_back_while_its_ensure_still_runs_the_outbox_order_holds() -> None:
+    """Disowned and owned again while the ensure still runs (a rejoin after a failed commit):
+    the outbox hands the same ensure and its teardown back. The ensure must run again (its old
+    result is void) and the teardown must wait for it; a teardown that overtook the ensure
+    would leave a terminal execution recording a live sandbox."""
+    recorder = Recorder(0.2)
+    runner = EffectRunner(recorder, concurrency=4)
+    runner.own([0])
+    runner.submit(0, "wfx_a", "ensure", ensure("wfx_a"))
+    runner.submit(0, "wfx_a", "teardown", teardown("wfx_a"))
+    await asyncio.sleep(0.05)
+    runner.disown([0])
+    runner.own([0])
+    assert runner.submit(0, "wfx_a", "ensure", ensure("wfx_a"))
+    assert runner.submit(0, "wfx_a", "teardown", teardown("wfx_a"))
+    assert not runner.submit(0, "wfx_a", "ensure", ensure("wfx_a"))  # now it is current again
+    assert await until_done(runner, 2) == ["ensure", "teardown"]
+    assert [e[1] for e in recorder.events if e[0] == "start"] == ["Ensure", "Ensure", "Deprovision"]
+    assert await runner.wait_idle(2.0)
+    assert runner.outstanding == 0
+
+
+async def test_results_not_yet_taken_when_disowned_leave_nothing_outstanding() -> None:
+    recorder = Recorder(0.01)
+    runner = EffectRunner(recorder, concurrency=4)
+    runner.own([0])
+    runner.submit(0, "wfx_a", "e1", ensure("wfx_a"))
+    await runner.ready.wait()
+    runner.disown([0])
+    assert runner.take() == []
+    assert runner.outstanding == 0

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import uuid
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,45 @@ async def test_a_pod_killed_with_calls_pending_hands_them_to_the_next_owner_one_
     assert_one_outcome_each(outcomes, executions, outcomes_pb2.SandboxProvisioned)
     states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=20))
     assert all(not states[e].pending for e in executions)
+
+
+async def test_records_fetched_while_the_take_over_still_fences_wait_for_the_fence(
+    kafka_bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taking a partition over fences the previous writer first, and InitProducerId can wait out
+    its open transaction (here: 3 s). Two things must hold meanwhile. The group must keep the
+    pod: aiokafka sends no heartbeat until the assignment callback returns, so a take-over
+    inside the callback outlived the session timeout (6 s here with the 3 s heartbeat) and the
+    pod was expelled on every rejoin, forever. And the partition's records and outbox must wait
+    for the take-over: aiokafka hands out the records before the callback ends, and a restore
+    they triggered resumed the outbox under an ownership epoch the take-over then voided (seen
+    in the chaos run: pending entries never folded back)."""
+    env = memory_env(kafka_bootstrap, tmp_path, SANDBOX_LANES_DRIVER_OPTIONS="ensure_latency_ms=60000")
+    topics = load_settings(env).topics
+    pending = [f"wfx_slowfence_{RUN}_{i}" for i in range(10)]
+    later = [f"wfx_slowfence_{RUN}_later_{i}" for i in range(10)]
+    first = PodProcess(env, tmp_path / "pod-1.log")
+    first.start()
+    await first.wait_for_log("state restored")
+    await produce(kafka_bootstrap, env, *(wf_created(e) for e in pending))
+    states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=10, timeout_s=30))
+    assert all(len(states[e].pending) == 1 for e in pending)
+    first.kill9()
+    await produce(kafka_bootstrap, env, *(wf_created(e) for e in later))
+
+    from consumers.sink import PartitionSinks
+
+    open_sinks = PartitionSinks.open
+
+    async def slow_open(self: PartitionSinks, partitions: Iterable[int]) -> None:
+        await asyncio.sleep(3.0)  # the fetcher has the partitions' records by now
+        await open_sinks(self, partitions)
+
+    monkeypatch.setattr(PartitionSinks, "open", slow_open)
+    # Calls longer than the fence's wait: resumed too early, they would still run when it ends.
+    second_env = {**env, "SANDBOX_LANES_POD_ID": "pod-b", "SANDBOX_LANES_DRIVER_OPTIONS": "ensure_latency_ms=5000"}
+    async with running_pod(second_env):
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=20, timeout_s=60)
+        states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=40, timeout_s=30))
+    assert_one_outcome_each(outcomes, pending + later, outcomes_pb2.SandboxProvisioned)
+    assert [e for e in pending + later if states[e].pending] == []
