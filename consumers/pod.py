@@ -97,6 +97,12 @@ class PodStats:
     last_progress: float = field(default_factory=time.monotonic)
     restored_keys: int = 0
     restore_seconds: float = 0.0
+    #: The longest transaction so far (begin to commit), seconds: no driver call is inside one.
+    max_transaction_s: float = 0.0
+    #: Since when every commit has failed (monotonic); None after a commit succeeds.
+    commits_failing_since: float | None = None
+    #: The last failed commit (monotonic).
+    last_commit_failure: float = 0.0
 
 
 class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -410,15 +416,28 @@ class Pod:
         self.ready.set()
 
     def health(self, stall_after_s: float = 30.0) -> Health:
-        """Alive: the loop turned within ``stall_after_s``. Ready: alive, state restored, partitions held."""
-        since = time.monotonic() - self._last_loop
-        alive = self._running and since < stall_after_s
+        """Alive: the loop turned, and a commit succeeded, within ``stall_after_s``.
+
+        Ready: alive, state restored, partitions held. A pod whose commits keep failing (a
+        producer in a fatal state, a broker it cannot write to) turns its loop but decides
+        nothing durable: liveness fails so that its supervisor restarts it.
+        """
+        now = time.monotonic()
+        since = now - self._last_loop
+        # Failing: no commit succeeded since the first failure, and they still fail (a pod that
+        # failed and then had nothing to commit, e.g. its partitions moved away, is not wedged).
+        failing = self.stats.commits_failing_since
+        still = now - self.stats.last_commit_failure < stall_after_s
+        failing_for = now - failing if failing is not None and still else 0.0
+        alive = self._running and since < stall_after_s and failing_for < stall_after_s
         assigned = len(self._consumer.assignment()) if self._consumer is not None else 0
         ready = alive and not self._restoring and self.ready.is_set() and assigned > 0
         if not self._running:
             detail = "not running"
-        elif not alive:
+        elif since >= stall_after_s:
             detail = f"loop stalled for {since:.1f}s"
+        elif failing_for >= stall_after_s:
+            detail = f"commits failing for {failing_for:.1f}s"
         elif self._restoring:
             detail = "restoring state"
         elif assigned == 0:
@@ -633,6 +652,8 @@ class Pod:
         except Exception as exc:
             await self._failed(partition, sink, batch, completions, exc)
             return
+        self.stats.max_transaction_s = max(self.stats.max_transaction_s, time.monotonic() - started)
+        self.stats.commits_failing_since = None
         done_now = self._batch_created.get(partition)
         if done_now is not None:
             self._created_done[partition] = done_now
@@ -676,6 +697,9 @@ class Pod:
         assert self._consumer is not None
         self.stats.commit_failures += 1
         self.metrics.commit_failures.inc()
+        self.stats.last_commit_failure = time.monotonic()
+        if self.stats.commits_failing_since is None:
+            self.stats.commits_failing_since = self.stats.last_commit_failure
         error = str(exc) or type(exc).__name__
         fenced = isinstance(exc, ProducerFenced)
         if not fenced:

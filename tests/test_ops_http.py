@@ -403,6 +403,50 @@ async def test_a_stalled_loop_fails_liveness_and_readiness_then_recovers(
             await ops.stop()
 
 
+async def test_commits_that_keep_failing_fail_liveness_then_recover(
+    kafka_bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod whose every commit fails turns its loop but decides nothing durable: 503 with the
+    reason, then 200 once a commit goes through, and the record is decided exactly once. (The
+    failure is injected at the commit call, the transaction is real and aborted for real; a real
+    fence is tests/test_zombie_fencing.py's.)"""
+    from aiokafka.errors import KafkaError
+
+    from consumers.sink import BatchSink
+
+    env = unique_env(kafka_bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory")
+    topics = load_settings(env).topics
+    real_commit = BatchSink.commit
+    failing = asyncio.Event()
+    failing.set()
+    attempts = 0
+
+    async def commit(self: BatchSink, offsets: Any) -> None:
+        nonlocal attempts
+        if failing.is_set():
+            attempts += 1
+            raise KafkaError("injected: the broker refused the commit")
+        await real_commit(self, offsets)
+
+    async with running_pod(env, provisioner=MemoryProvisioner()) as composed:
+        ops = OpsServer(composed.pod, composed.metrics, host="127.0.0.1", port=0, stall_after_s=1.0)
+        await ops.start()
+        try:
+            await wait_for_status(ops.port, "/healthz", 200)
+            monkeypatch.setattr(BatchSink, "commit", commit)
+            await produce(kafka_bootstrap, env, wf_created("wfx_failing_commits_1"))
+            wedged = await wait_for_status(ops.port, "/healthz", 503, timeout_s=20)
+            assert str(wedged["detail"]).startswith("commits failing for "), wedged
+            assert attempts >= 2  # rewound and retried, not given up
+            failing.clear()
+            recovered = await wait_for_status(ops.port, "/healthz", 200, timeout_s=20)
+            assert recovered["detail"] == "ok"
+            outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1, settle_s=1.0)
+            assert [type(r.message).__name__ for r in outcomes] == ["SandboxProvisioned"]
+        finally:
+            await ops.stop()
+
+
 # --- start-up failures -------------------------------------------------------------------------------
 
 

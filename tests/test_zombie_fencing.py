@@ -122,7 +122,10 @@ async def test_a_pod_paused_past_its_session_timeout_and_resumed_writes_no_secon
         # The zombie wakes: its 4 s driver calls are done, and it tries to fold them back.
         zombie.proc.send_signal(signal.SIGCONT)
         await asyncio.sleep(15)  # time to try its commits, be fenced, rejoin, and settle
-        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=20, timeout_s=30)
+        # Not wedged: the group (the fenced pod rejoined with new producers) decides new work.
+        after = [f"wfx_zombie_{RUN}_after_{i}" for i in range(6)]
+        await produce(kafka_bootstrap, env, *(wf_created(e) for e in after))
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=26, timeout_s=60)
     finally:
         if zombie.proc is not None and zombie.proc.poll() is None:
             zombie.proc.send_signal(signal.SIGCONT)
@@ -133,7 +136,7 @@ async def test_a_pod_paused_past_its_session_timeout_and_resumed_writes_no_secon
     per_execution = Counter(
         r.message.execution_id for r in outcomes if isinstance(r.message, outcomes_pb2.SandboxProvisioned)
     )
-    assert per_execution == Counter(executions), log[-3000:]
+    assert per_execution == Counter(executions + after), log[-3000:]
     # The zombie stood down: it tried to commit and was fenced, or the rejoin revoked its
     # partitions (voiding its results) before it tried.
     assert "fenced: another writer owns the partition" in log or "partitions released" in log, log[-3000:]
