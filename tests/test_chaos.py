@@ -54,8 +54,8 @@ async def test_chaos_memory_driver_with_kills_a_broker_restart_and_a_rebalance(t
             bootstrap=None,  # its own broker: this one is restarted
             broker_restarts=1,
             rebalance_windows=1,
-            latency_ms=1000,  # driver calls that take time: in flight across kills and rebalances
-            hang_rate=0.01,
+            latency_ms=2000,  # calls take 0-2 s: in flight across kills, the broker restart, rebalances
+            hang_rate=0.01,  # and 1 % hang until the ensure/teardown timeout
             work_dir=tmp_path,
         )
     )
@@ -76,6 +76,8 @@ async def test_chaos_at_least_once_reports_same_id_redeliveries(kafka_bootstrap:
             bootstrap=kafka_bootstrap,
             broker_restarts=0,
             rebalance_windows=1,
+            latency_ms=2000,
+            hang_rate=0.01,
             work_dir=tmp_path,
         )
     )
