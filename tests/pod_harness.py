@@ -24,8 +24,8 @@ from google.protobuf.message import Message
 from consumers.compose import Composed, compose
 from consumers.settings import load_settings
 from consumers.tools import topic_for
-from events.codec import ALL_TYPES, OUTCOME_TYPES, decode, decode_state, encode, header
-from events.sandbox_lanes.v1 import state_pb2
+from events.codec import ALL_TYPES, OUTCOME_TYPES, decode, decode_state, encode, header, new_meta
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
 
 _ids = itertools.count(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,3 +220,24 @@ class PodProcess:
         self.proc.send_signal(signal.SIGTERM)
         code = self.proc.wait(timeout_s)
         return code, time.monotonic() - started
+
+
+def wf_created(execution_id: str) -> inputs_pb2.ExecutionCreated:
+    """A CLOUD workflow's creation: the workflow lane provisions its sandbox."""
+    return inputs_pb2.ExecutionCreated(
+        meta=new_meta(),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id=execution_id,
+        workflow_execution_target=common_pb2.CLOUD,
+    )
+
+
+def wf_terminal(execution_id: str) -> inputs_pb2.PhaseChanged:
+    """IN_PROGRESS -> COMPLETED: the terminal observer tears the workflow's sandbox down."""
+    return inputs_pb2.PhaseChanged(
+        meta=new_meta(),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id=execution_id,
+        previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
+        new_phase=common_pb2.EXECUTION_COMPLETED,
+    )

@@ -15,32 +15,21 @@ import pytest
 
 from consumers.settings import load_settings
 from drivers.memory import MemoryProvisioner
-from events.codec import new_meta
-from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
-from tests.pod_harness import PodProcess, latest_states, produce, read_topic, running_pod, unique_env
+from events.sandbox_lanes.v1 import outcomes_pb2
+from tests.pod_harness import (
+    PodProcess,
+    latest_states,
+    produce,
+    read_topic,
+    running_pod,
+    unique_env,
+    wf_created,
+    wf_terminal,
+)
 
 pytestmark = [pytest.mark.kafka]
 
 RUN = uuid.uuid4().hex[:8]
-
-
-def wf_created(execution_id: str) -> inputs_pb2.ExecutionCreated:
-    return inputs_pb2.ExecutionCreated(
-        meta=new_meta(),
-        kind=common_pb2.WORKFLOW_EXECUTION,
-        execution_id=execution_id,
-        workflow_execution_target=common_pb2.CLOUD,
-    )
-
-
-def wf_terminal(execution_id: str) -> inputs_pb2.PhaseChanged:
-    return inputs_pb2.PhaseChanged(
-        meta=new_meta(),
-        kind=common_pb2.WORKFLOW_EXECUTION,
-        execution_id=execution_id,
-        previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
-        new_phase=common_pb2.EXECUTION_COMPLETED,
-    )
 
 
 def memory_env(bootstrap: str, tmp: Path, **overrides: str) -> dict[str, str]:
@@ -201,7 +190,11 @@ async def test_records_fetched_while_the_take_over_still_fences_wait_for_the_fen
 
     monkeypatch.setattr(PartitionSinks, "open", slow_open)
     # Calls longer than the fence's wait: resumed too early, they would still run when it ends.
-    second_env = {**env, "SANDBOX_LANES_POD_ID": "pod-b", "SANDBOX_LANES_DRIVER_OPTIONS": "ensure_latency_ms=5000"}
+    second_env = {
+        **env,
+        "SANDBOX_LANES_POD_ID": "pod-b",
+        "SANDBOX_LANES_DRIVER_OPTIONS": "ensure_latency_ms=5000",
+    }
     async with running_pod(second_env):
         outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=20, timeout_s=60)
         states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=40, timeout_s=30))

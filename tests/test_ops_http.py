@@ -35,7 +35,16 @@ from drivers.contract import SandboxEnvironment, SandboxScope
 from drivers.memory import MemoryProvisioner
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
-from tests.pod_harness import ROOT, PodProcess, produce, produce_raw, read_topic, running_pod, unique_env
+from tests.pod_harness import (
+    ROOT,
+    PodProcess,
+    produce,
+    produce_raw,
+    read_topic,
+    running_pod,
+    unique_env,
+    wf_created,
+)
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -98,15 +107,6 @@ def http_env(**overrides: str) -> dict[str, str]:
 def _no_leftover_pods() -> Iterator[None]:
     yield
     PodProcess.kill_all()
-
-
-def wf_created(execution_id: str) -> inputs_pb2.ExecutionCreated:
-    return inputs_pb2.ExecutionCreated(
-        meta=new_meta(),
-        kind=common_pb2.WORKFLOW_EXECUTION,
-        execution_id=execution_id,
-        workflow_execution_target=common_pb2.CLOUD,
-    )
 
 
 def agent_created(execution_id: str, session_id: str) -> inputs_pb2.ExecutionCreated:
@@ -335,7 +335,9 @@ class SlowProvisioner(MemoryProvisioner):
 
 
 @pytest.mark.kafka
-async def test_a_slow_driver_call_keeps_the_loop_alive_and_ready(kafka_bootstrap: str, tmp_path: Path) -> None:
+async def test_a_slow_driver_call_keeps_the_loop_alive_and_ready(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
     """Driver calls run off the loop: a 3 s ensure is not a stall (liveness stays 200 throughout)."""
     env = unique_env(kafka_bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory")
     topics = load_settings(env).topics

@@ -21,7 +21,7 @@ from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
 from scripts.dockerd import Dockerd
 from scripts.kube_apiserver import KubeApiServer
-from tests.pod_harness import produce, read_topic, running_pod, unique_env
+from tests.pod_harness import produce, read_topic, running_pod, unique_env, wf_terminal
 
 TOKEN_KEY = base64.b64encode(secrets.token_bytes(32)).decode()
 
@@ -33,16 +33,6 @@ def created(execution_id: str, kind: int, **fields: Any) -> inputs_pb2.Execution
         execution_id=execution_id,
         caller_identity_id="ida_e2e",
         **fields,  # type: ignore[arg-type]
-    )
-
-
-def completed(execution_id: str) -> inputs_pb2.PhaseChanged:
-    return inputs_pb2.PhaseChanged(
-        meta=new_meta(),
-        kind=common_pb2.WORKFLOW_EXECUTION,
-        execution_id=execution_id,
-        previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
-        new_phase=common_pb2.EXECUTION_COMPLETED,
     )
 
 
@@ -104,7 +94,7 @@ async def test_pod_with_the_docker_driver_runs_a_container_and_removes_it(
                 container.attrs["Args"] or []
             )
 
-            await produce(kafka_bootstrap, env, completed(execution_id))
+            await produce(kafka_bootstrap, env, wf_terminal(execution_id))
             outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
             assert isinstance(outcomes[-1].message, outcomes_pb2.SandboxDeprovisioned)
             assert [c.name for c in client.containers.list(all=True, filters={"name": name})] == []
@@ -152,7 +142,7 @@ async def test_a_burst_of_docker_creates_never_holds_a_transaction_and_every_one
             running = {c.name for c in client.containers.list(filters={"label": label})}
             assert {sandbox_base_name("workflow", e) for e in executions} <= running
 
-            await produce(kafka_bootstrap, env, *(completed(e) for e in executions))
+            await produce(kafka_bootstrap, env, *(wf_terminal(e) for e in executions))
             outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=200, timeout_s=240)
             assert composed.pod.stats.commit_failures == 0
         torn_down = [r for r in outcomes if isinstance(r.message, outcomes_pb2.SandboxDeprovisioned)]
@@ -236,7 +226,7 @@ async def test_pod_with_the_kubernetes_driver_creates_the_objects_and_removes_th
         assert "STIGMER_TOKEN" in (secret.data or {})
         core.read_namespaced_persistent_volume_claim(f"{base}-workspace", kube_namespace)
 
-        await produce(kafka_bootstrap, env, completed(execution_id))
+        await produce(kafka_bootstrap, env, wf_terminal(execution_id))
         outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
         assert isinstance(outcomes[-1].message, outcomes_pb2.SandboxDeprovisioned)
     for read in (

@@ -20,9 +20,9 @@ from aiokafka.errors import KafkaError
 from consumers.settings import load_settings
 from consumers.sink import PartitionSinks
 from consumers.topology import Topics
-from events.codec import EncodedRecord, new_meta
-from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
-from tests.pod_harness import PodProcess, latest_states, produce, read_topic, unique_env
+from events.codec import EncodedRecord
+from events.sandbox_lanes.v1 import outcomes_pb2
+from tests.pod_harness import PodProcess, latest_states, produce, read_topic, unique_env, wf_created
 
 pytestmark = [pytest.mark.kafka]
 
@@ -78,15 +78,6 @@ async def test_the_next_owner_of_a_partition_fences_the_previous_writer(kafka_bo
         await old.stop()
         await new.stop()
         await consumer.stop()
-
-
-def wf_created(execution_id: str) -> inputs_pb2.ExecutionCreated:
-    return inputs_pb2.ExecutionCreated(
-        meta=new_meta(),
-        kind=common_pb2.WORKFLOW_EXECUTION,
-        execution_id=execution_id,
-        workflow_execution_target=common_pb2.CLOUD,
-    )
 
 
 async def test_a_pod_paused_past_its_session_timeout_and_resumed_writes_no_second_outcome(
