@@ -18,6 +18,9 @@ Figures (every one bounded, repeated ``--repeats`` times, reported as median and
    local-process driver (``drivers/stub_runner.py``) and the docker driver (a private dockerd from
    ``scripts/dockerd.py`` with the imported busybox image). A driver that cannot start is reported as
    an error in its row; the other figures still run.
+7. ``burst``    — time to sandbox: N workflow creates at once through the pod with the memory driver
+   at an injected latency, and with the docker driver next to the raw engine's own time for the
+   same containers (``consumers/bench_burst.py``). Not in the default set (``--only burst``).
 
 Without ``--bootstrap`` a fresh Apache Kafka broker (``scripts/kafka_broker.py``) is started and
 stopped. The table is printed as markdown; ``--out`` gets the JSON (figures + machine + versions).
@@ -53,7 +56,7 @@ from consumers.progress import progress
 
 logger = logging.getLogger("sandbox_lanes.bench")
 
-FIGURES = ("ceiling", "pod", "latency", "rules", "restore", "drivers")
+FIGURES = ("ceiling", "pod", "latency", "rules", "restore", "drivers", "burst")
 GOALS = {
     "pod_ratio": 0.5,
     "restore_1m_seconds": 60.0,
@@ -106,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--driver-samples", type=int, default=20, help="sandboxes per local-process run")
     parser.add_argument("--docker-samples", type=int, default=5, help="containers per docker run")
+    parser.add_argument("--burst-n", type=int, default=2000, help="creates per memory-driver burst")
+    parser.add_argument("--burst-docker-n", type=int, default=200, help="creates per docker burst")
+    parser.add_argument("--burst-latency-ms", type=float, default=200.0, help="memory driver ms per call")
+    parser.add_argument("--burst-concurrency", type=int, default=32, help="driver concurrency in a burst")
     parser.add_argument("--docker-host", help="use this engine (unix://...) instead of a private dockerd")
     parser.add_argument("--docker-image", default="", help="image on --docker-host (default: busybox tag)")
     parser.add_argument(
@@ -1054,6 +1061,10 @@ async def _main(args: argparse.Namespace, bootstrap: str | None, only: set[str])
                     await timed(name, functools.partial(_latency, args, bootstrap, pod_rate, show, guarantee))
         if "restore" in only:
             await timed("restore", lambda: _restore(args, bootstrap, show))
+        if "burst" in only:
+            from consumers.bench_burst import burst
+
+            await timed("burst", lambda: burst(args, bootstrap, show, _lane_env))
     if "drivers" in only:
         await timed("drivers", lambda: _drivers(args, show))
     return {"figures": figures, "seconds": timings}
@@ -1070,7 +1081,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"sandbox-lanes bench: unknown figure(s) {sorted(unknown)}; known: {FIGURES}", file=sys.stderr)
         return 2
-    needs_kafka = bool(only & {"ceiling", "pod", "latency", "restore"})
+    needs_kafka = bool(only & {"ceiling", "pod", "latency", "restore", "burst"})
     began = time.perf_counter()
     meta: dict[str, Any] = {
         "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -1214,6 +1225,14 @@ def render_table(doc: dict[str, Any]) -> str:
             for op, label in (("ensure", f"6. {name} ensure"), ("re_ensure", f"   {name} re-ensure")):
                 p50, p99 = _fmt(fig[f"{op}_p50_ms"], " ms"), _fmt(fig[f"{op}_p99_ms"], " ms")
                 rows.append((f"{label} p50 / p99 ({fig['samples']} sandboxes)", f"{p50} / {p99}", "", ""))
+    burst = figs.get("burst")
+    if burst is not None:
+        if "error" in burst:
+            err("7. burst", burst)
+        else:
+            from consumers.bench_burst import report_rows
+
+            rows.extend(report_rows(burst))
     m = doc["meta"]["machine"]
     lines = [
         f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux {m['kernel']}, "
