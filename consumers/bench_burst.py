@@ -250,21 +250,25 @@ async def _docker_burst(args: Any, env: dict[str, str], show: bool) -> dict[str,
     from scripts.dockerd import DEFAULT_TAG, Dockerd
 
     loop = asyncio.get_running_loop()
-    engine = Dockerd()
-    image = DEFAULT_TAG
-    try:
-        await loop.run_in_executor(None, engine.start)
-        await loop.run_in_executor(None, engine.build_image, image)
-    except BaseException:
-        tail = engine.log_tail(10)
-        await loop.run_in_executor(None, engine.stop)
-        raise RuntimeError(f"private dockerd did not start: {tail[-600:]}") from None
+    engine: Dockerd | None = None
+    host: str | None = args.docker_host
+    image = args.docker_image or DEFAULT_TAG
+    if host is None:
+        engine = Dockerd()
+        try:
+            await loop.run_in_executor(None, engine.start)
+            await loop.run_in_executor(None, engine.build_image, image)
+        except BaseException:
+            tail = engine.log_tail(10)
+            await loop.run_in_executor(None, engine.stop)
+            raise RuntimeError(f"private dockerd did not start: {tail[-600:]}") from None
+        host = engine.socket_url
     try:
         config = DriverConfig(
             backend_endpoint="http://127.0.0.1:7234",
             temporal_address="127.0.0.1:7233",
             options={
-                "docker_host": engine.socket_url,
+                "docker_host": host,
                 "image": image,
                 "memory": "64m",
                 "cpus": "0.5",
@@ -277,7 +281,7 @@ async def _docker_burst(args: Any, env: dict[str, str], show: bool) -> dict[str,
         finally:
             await provisioner.close()
         raw = await loop.run_in_executor(
-            None, _raw_docker, engine.socket_url, image, args.burst_docker_n, args.burst_concurrency, show
+            None, _raw_docker, host, image, args.burst_docker_n, args.burst_concurrency, show
         )
         result["raw_create_start_seconds"] = raw["create_start_seconds"]
         result["raw_remove_seconds"] = raw["remove_seconds"]
@@ -285,7 +289,8 @@ async def _docker_burst(args: Any, env: dict[str, str], show: bool) -> dict[str,
         result["teardown_ratio_to_raw"] = result["teardown_seconds"] / raw["remove_seconds"]
         return result
     finally:
-        await loop.run_in_executor(None, engine.stop)
+        if engine is not None:
+            await loop.run_in_executor(None, engine.stop)
 
 
 def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:

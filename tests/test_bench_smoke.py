@@ -86,3 +86,28 @@ def test_bench_tiny_run_writes_every_figure(
         drv = figs["drivers"][name]
         assert "error" not in drv, drv
         _positive(drv, "samples", "ensure_p50_ms", "ensure_p99_ms", "re_ensure_p50_ms", "re_ensure_p99_ms")
+
+
+def test_bench_tiny_burst_measures_time_to_sandbox_for_both_drivers(
+    kafka_bootstrap: str, dockerd: Dockerd, docker_image: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "burst.json"
+    cmd = [
+        sys.executable, "-m", "consumers.cli", "bench", "--only", "burst",
+        "--bootstrap", kafka_bootstrap, "--out", str(out), "--no-progress", "--repeats", "1",
+        "--burst-n", "40", "--burst-docker-n", "3", "--burst-latency-ms", "50",
+        "--docker-host", dockerd.socket_url, "--docker-image", docker_image,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "7. burst of 40 creates" in proc.stdout, proc.stdout[-3000:]
+    burst = json.loads(out.read_text())["figures"]["burst"]
+    assert "error" not in burst.get("memory", {}) and "error" not in burst.get("docker", {}), burst
+    for fig, n in ((burst["memory"], 40), (burst["docker"], 3)):
+        assert fig["n"] == n
+        _positive(fig, "provision_seconds", "ensures_per_s", "time_to_sandbox_p99_ms", "teardown_seconds")
+        assert fig["max_transaction_s"] > 0
+    _positive(burst["docker"], "raw_create_start_seconds", "ratio_to_raw")
