@@ -976,28 +976,37 @@ async def _local_process(args: argparse.Namespace, show: bool) -> dict[str, Any]
         shutil.rmtree(state_dir, ignore_errors=True)
 
 
-async def _docker(args: argparse.Namespace, show: bool) -> dict[str, Any]:
-    from drivers.contract import DriverConfig
-    from drivers.docker_driver import new_docker_provisioner
+@contextlib.asynccontextmanager
+async def docker_engine(args: argparse.Namespace) -> AsyncIterator[tuple[str, str, bool]]:
+    """``(host, image, private)``: ``--docker-host`` as given, or a private dockerd for the block."""
     from scripts.dockerd import DEFAULT_TAG, Dockerd
 
     loop = asyncio.get_running_loop()
-    engine: Dockerd | None = None
-    host = args.docker_host
     image = args.docker_image or DEFAULT_TAG
-    started = time.perf_counter()
-    if host is None:
-        engine = Dockerd()
-        try:
-            await loop.run_in_executor(None, engine.start)
-            await loop.run_in_executor(None, engine.build_image, image)
-        except BaseException:
-            tail = engine.log_tail(10)
-            await loop.run_in_executor(None, engine.stop)
-            raise RuntimeError(f"private dockerd did not start: {tail[-600:]}") from None
-        host = engine.socket_url
-    engine_s = time.perf_counter() - started
+    if args.docker_host is not None:
+        yield args.docker_host, image, False
+        return
+    engine = Dockerd()
     try:
+        await loop.run_in_executor(None, engine.start)
+        await loop.run_in_executor(None, engine.build_image, image)
+    except BaseException:
+        tail = engine.log_tail(10)
+        await loop.run_in_executor(None, engine.stop)
+        raise RuntimeError(f"private dockerd did not start: {tail[-600:]}") from None
+    try:
+        yield engine.socket_url, image, True
+    finally:
+        await loop.run_in_executor(None, engine.stop)
+
+
+async def _docker(args: argparse.Namespace, show: bool) -> dict[str, Any]:
+    from drivers.contract import DriverConfig
+    from drivers.docker_driver import new_docker_provisioner
+
+    started = time.perf_counter()
+    async with docker_engine(args) as (host, image, private):
+        engine_s = time.perf_counter() - started
         config = DriverConfig(
             backend_endpoint="http://127.0.0.1:7234",
             temporal_address="127.0.0.1:7233",
@@ -1010,12 +1019,9 @@ async def _docker(args: argparse.Namespace, show: bool) -> dict[str, Any]:
             )
         finally:
             await provisioner.close()
-        result["engine"] = "private dockerd (vfs)" if engine is not None else host
+        result["engine"] = "private dockerd (vfs)" if private else host
         result["engine_start_seconds"] = engine_s
         return result
-    finally:
-        if engine is not None:
-            await loop.run_in_executor(None, engine.stop)
 
 
 async def _drivers(args: argparse.Namespace, show: bool) -> dict[str, Any]:
@@ -1066,7 +1072,7 @@ async def _main(args: argparse.Namespace, bootstrap: str | None, only: set[str])
         if "burst" in only:
             from consumers.bench_burst import burst
 
-            await timed("burst", lambda: burst(args, bootstrap, show, _lane_env))
+            await timed("burst", lambda: burst(args, bootstrap, show, _lane_env, docker_engine))
     if "drivers" in only:
         await timed("drivers", lambda: _drivers(args, show))
     return {"figures": figures, "seconds": timings}

@@ -209,9 +209,16 @@ def _raw_docker(host: str, image: str, n: int, concurrency: int, show: bool) -> 
 
 
 async def burst(
-    args: Any, bootstrap: str, show: bool, lane_env: Callable[..., dict[str, str]]
+    args: Any,
+    bootstrap: str,
+    show: bool,
+    lane_env: Callable[..., dict[str, str]],
+    engine: Callable[..., Any],
 ) -> dict[str, Any]:
-    """Both bursts; a driver that cannot run reports its error in its row."""
+    """Both bursts; a driver that cannot run reports its error in its row.
+
+    ``lane_env`` and ``engine`` are the bench's (topic names and settings; the docker engine).
+    """
     from drivers.memory import MemoryProvisioner
 
     out: dict[str, Any] = {}
@@ -237,33 +244,21 @@ async def burst(
         logger.error("memory burst failed", extra={"error": str(exc)})
         out["memory"] = {"error": f"{type(exc).__name__}: {exc}"}
     try:
-        out["docker"] = await _docker_burst(args, env(f"burst-dk-{uuid.uuid4().hex[:6]}"), show)
+        out["docker"] = await _docker_burst(args, env(f"burst-dk-{uuid.uuid4().hex[:6]}"), show, engine)
     except Exception as exc:
         logger.error("docker burst failed", extra={"error": str(exc)})
         out["docker"] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
 
-async def _docker_burst(args: Any, env: dict[str, str], show: bool) -> dict[str, Any]:
+async def _docker_burst(
+    args: Any, env: dict[str, str], show: bool, engine: Callable[..., Any]
+) -> dict[str, Any]:
     from drivers.contract import DriverConfig
     from drivers.docker_driver import new_docker_provisioner
-    from scripts.dockerd import DEFAULT_TAG, Dockerd
 
     loop = asyncio.get_running_loop()
-    engine: Dockerd | None = None
-    host: str | None = args.docker_host
-    image = args.docker_image or DEFAULT_TAG
-    if host is None:
-        engine = Dockerd()
-        try:
-            await loop.run_in_executor(None, engine.start)
-            await loop.run_in_executor(None, engine.build_image, image)
-        except BaseException:
-            tail = engine.log_tail(10)
-            await loop.run_in_executor(None, engine.stop)
-            raise RuntimeError(f"private dockerd did not start: {tail[-600:]}") from None
-        host = engine.socket_url
-    try:
+    async with engine(args) as (host, image, _private):
         config = DriverConfig(
             backend_endpoint="http://127.0.0.1:7234",
             temporal_address="127.0.0.1:7233",
@@ -283,14 +278,11 @@ async def _docker_burst(args: Any, env: dict[str, str], show: bool) -> dict[str,
         raw = await loop.run_in_executor(
             None, _raw_docker, host, image, args.burst_docker_n, args.burst_concurrency, show
         )
-        result["raw_create_start_seconds"] = raw["create_start_seconds"]
-        result["raw_remove_seconds"] = raw["remove_seconds"]
-        result["ratio_to_raw"] = result["provision_seconds"] / raw["create_start_seconds"]
-        result["teardown_ratio_to_raw"] = result["teardown_seconds"] / raw["remove_seconds"]
-        return result
-    finally:
-        if engine is not None:
-            await loop.run_in_executor(None, engine.stop)
+    result["raw_create_start_seconds"] = raw["create_start_seconds"]
+    result["raw_remove_seconds"] = raw["remove_seconds"]
+    result["ratio_to_raw"] = result["provision_seconds"] / raw["create_start_seconds"]
+    result["teardown_ratio_to_raw"] = result["teardown_seconds"] / raw["remove_seconds"]
+    return result
 
 
 def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
