@@ -21,9 +21,9 @@ from consumers.settings import load_settings
 from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2
 from scripts.dockerd import Dockerd
 from scripts.python_base_image import import_base_image
-from tests.pod_harness import ROOT, produce, read_topic, unique_env
+from tests.pod_harness import ROOT, produce, read_topic, unique_env, wf_terminal
 from tests.test_ops_http import free_port, wait_for_status
-from tests.test_pod_drivers_e2e import completed, created
+from tests.test_pod_drivers_e2e import created
 
 pytestmark = [pytest.mark.docker, pytest.mark.kafka]
 
@@ -88,7 +88,7 @@ async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events
         workflow = created(
             execution_id, common_pb2.WORKFLOW_EXECUTION, workflow_execution_target=common_pb2.CLOUD
         )
-        await produce(kafka_bootstrap, env, workflow, completed(execution_id))
+        await produce(kafka_bootstrap, env, workflow, wf_terminal(execution_id))
         outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2, timeout_s=60)
         provisioned, deprovisioned = (o.message for o in outcomes)
         assert isinstance(provisioned, outcomes_pb2.SandboxProvisioned)
