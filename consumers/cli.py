@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     add("run", "run the pod (configured from the environment; see the README's config table)").set_defaults(
-        func=_cmd_run, log_level=None  # no --log-level: SANDBOX_LANES_LOG_LEVEL (default info)
+        func=_cmd_run,
+        log_level=None,  # no --log-level: SANDBOX_LANES_LOG_LEVEL (default info)
     )
     demo = add("demo", "start the embedded Tansu broker and the pod, play a short scenario, clean up")
     demo.add_argument("--verbose", action="store_true", help="also print the pod's logs")

@@ -1,4 +1,4 @@
-"""The edge where decisions meet the world: mint, call the driver, probe.
+"""The edge where decisions meet the world: mint the runner token, call the driver.
 
 Every failure becomes a :class:`CommandResult` with the error's message; nothing
 raises out of here, which is what keeps a provisioning failure from ever
@@ -73,15 +73,9 @@ class DriverExecutor(CommandRunner):
                 task_queue=command.task_queue, stigmer_token=token, caller_class=command.caller_class
             )
             async with asyncio.timeout(self.ensure_timeout_s):
-                await self.provisioner.ensure(command.scope, command.sandbox_id, env)
+                probe_state: str = await self.provisioner.ensure(command.scope, command.sandbox_id, env)
         except TimeoutError:
             return CommandResult(ok=False, error=f"sandbox ensure timed out after {self.ensure_timeout_s:g}s")
         except Exception as exc:
             return CommandResult(ok=False, error=error_message(exc))
-        try:
-            async with asyncio.timeout(self.ensure_timeout_s):
-                probe_state: str = await self.provisioner.probe(command.scope, command.sandbox_id)
-        except Exception as exc:  # the ensure succeeded; a failed probe only loses a diagnostic
-            self.logger.warning("Sandbox probe after ensure failed", extra={"error": error_message(exc)})
-            probe_state = "unknown"
         return CommandResult(ok=True, probe_state=probe_state, token_minted=token != "")

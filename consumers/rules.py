@@ -169,9 +169,7 @@ def command_id(causation_id: str, command: Command) -> str:
     return derived_event_id(causation_id, kind, command.scope)
 
 
-def _fill_pending(
-    state: state_pb2.ExecutionState, event: InputEvent, commands: tuple[Command, ...]
-) -> None:
+def _fill_pending(state: state_pb2.ExecutionState, event: InputEvent, commands: tuple[Command, ...]) -> None:
     """The outbox: each command of the decision becomes a pending entry in the decision's state."""
     meta = event.meta
     causation_id = meta.event_id

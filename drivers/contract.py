@@ -91,7 +91,15 @@ class SandboxProvisioner(Protocol):
     @property
     def driver_name(self) -> str: ...
 
-    async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None: ...
+    async def ensure(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> SandboxProbeState:
+        """Make the sandbox exist and run; return the state the ensure saw or left it in.
+
+        The pod records that state in ``SandboxProvisioned.probe_state`` without a second engine
+        call (upstream's ensure probes first, then acts; it never probes again afterwards).
+        """
+        ...
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None: ...
 
@@ -105,7 +113,9 @@ class SandboxProvisioner(Protocol):
 class ScopedMethods:
     """Upstream's per-scope method names, expressed over the generic contract."""
 
-    async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+    async def ensure(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> SandboxProbeState:
         raise NotImplementedError
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:

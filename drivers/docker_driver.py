@@ -268,39 +268,40 @@ class DockerProvisioner(ScopedMethods):
 
     # -- contract ------------------------------------------------------------
 
-    async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+    async def ensure(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> SandboxProbeState:
         name = sandbox_base_name(scope, sandbox_id)
         async with self._lock(name):
             attrs = await self._inspect(name)
             if attrs is None:
                 attrs = await self._create(scope, sandbox_id, name, env)
                 if attrs is None:
-                    return
+                    return "running"
             if not _is_ours(attrs, scope, sandbox_id):
                 raise self._foreign(name, scope, sandbox_id)
             if _state_of(attrs) == "running":
-                return
+                return "running"
             await self._start(attrs)
             self._logger.info(
                 "Docker sandbox restarted",
                 extra={"scope": scope, "id": sandbox_id, "container": name},
             )
+            return "running"
 
     async def _create(
         self, scope: SandboxScope, sandbox_id: str, name: str, env: SandboxEnvironment
     ) -> dict[str, Any] | None:
-        """Create and start; on a name conflict return the existing container's attrs to adopt."""
+        """Create and start (``docker run --detach``); on a name conflict return the holder's attrs.
+
+        The low-level API, as the CLI does: the SDK's ``containers.create`` inspects every new
+        container once more, a third engine round trip per ensure that nothing here reads.
+        """
         s = self._settings
         contract = build_runner_env(self._config, env, workspace_dir=CONTAINER_WORKDIR, home=CONTAINER_HOME)
         secrets = contract.secret_values()
         client = await self._docker()
-        kwargs: dict[str, Any] = {
-            "name": name,
-            "labels": sandbox_labels(scope, sandbox_id),
-            "user": CONTAINER_USER,
-            "working_dir": CONTAINER_WORKDIR,
-            "environment": contract.merged(),
-            "detach": True,
+        host: dict[str, Any] = {
             "mem_limit": s.memory_bytes,
             "memswap_limit": s.memory_bytes,
             "nano_cpus": s.nano_cpus,
@@ -310,21 +311,31 @@ class DockerProvisioner(ScopedMethods):
             "read_only": s.read_only,
         }
         if s.pids_limit:
-            kwargs["pids_limit"] = s.pids_limit
+            host["pids_limit"] = s.pids_limit
+        if s.read_only:
+            # The root is read-only; the workspace (an anonymous volume: survives
+            # stop/start, removed with the container) and /tmp stay writable.
+            host["mounts"] = [Mount(target=CONTAINER_WORKDIR, source=None, type="volume")]
+            host["tmpfs"] = {"/tmp": "rw,nosuid,nodev"}
+        kwargs: dict[str, Any] = {
+            "name": name,
+            "labels": sandbox_labels(scope, sandbox_id),
+            "user": CONTAINER_USER,
+            "working_dir": CONTAINER_WORKDIR,
+            "environment": contract.merged(),
+            "detach": True,
+            "host_config": client.api.create_host_config(**host),
+        }
         if s.entrypoint is not None:
             kwargs["entrypoint"] = s.entrypoint
         if s.command is not None:
             kwargs["command"] = s.command
-        if s.read_only:
-            # The root is read-only; the workspace (an anonymous volume: survives
-            # stop/start, removed with the container) and /tmp stay writable.
-            kwargs["mounts"] = [Mount(target=CONTAINER_WORKDIR, source=None, type="volume")]
-            kwargs["tmpfs"] = {"/tmp": "rw,nosuid,nodev"}
-        container: Any = None
+        container_id = ""
         pulled = False
         for _attempt in range(_CONFLICT_ATTEMPTS):
             try:
-                container = await self._call(lambda: client.containers.create(s.image, **kwargs), secrets)
+                created = await self._call(lambda: client.api.create_container(s.image, **kwargs), secrets)
+                container_id = str(created["Id"])
                 break
             except docker.errors.ImageNotFound as exc:
                 if pulled:
@@ -352,10 +363,10 @@ class DockerProvisioner(ScopedMethods):
                 },
             )
             return existing
-        if container is None:
+        if not container_id:
             raise SandboxError(f"docker container name '{name}' stayed in conflict without a container")
         try:
-            await self._call(container.start, secrets)
+            await self._call(lambda: client.api.start(container_id), secrets)
         except docker.errors.APIError as exc:
             # The created container stays; the next ensure sees it stopped and retries the start.
             raise self._engine_error(exc, secrets) from exc

@@ -428,18 +428,21 @@ class KubernetesProvisioner(ScopedMethods):
         )
 
     # -- contract
-    async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+    async def ensure(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> SandboxProbeState:
         base = sandbox_base_name(scope, sandbox_id)
         replicas = await self.deployment_replicas(base)
         if replicas is not None and replicas >= 1:
-            return  # fast path: nothing applied, the pod keeps the token it booted with
+            return "running"  # fast path: nothing applied, the pod keeps the token it booted with
         if replicas == 0 and await self._scale(base, 1):
             self._logger.info(
                 "Kubernetes sandbox scaled up",
                 extra={"scope": scope, "id": sandbox_id, "deployment": base},
             )
-            return
+            return "running"
         await self._provision(scope, sandbox_id, env)
+        return "running"  # the probe's mapping: one desired replica is `running`
 
     async def _provision(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
         base = sandbox_base_name(scope, sandbox_id)

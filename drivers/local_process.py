@@ -270,12 +270,14 @@ class LocalProcessProvisioner(ScopedMethods):
 
     # -- contract ------------------------------------------------------------
 
-    async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+    async def ensure(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> SandboxProbeState:
         name = sandbox_base_name(scope, sandbox_id)
         workspace = self.workspace_dir(scope, sandbox_id)
         async with self._lock(name):
             if self._live_record(name) is not None:
-                return
+                return "running"
             try:
                 workspace.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -338,6 +340,7 @@ class LocalProcessProvisioner(ScopedMethods):
                     "taskQueue": env.task_queue,
                 },
             )
+            return "running"
 
     async def _watch(
         self,

@@ -69,7 +69,9 @@ class MemoryProvisioner(ScopedMethods):
         if latency_ms or jitter:
             await asyncio.sleep((latency_ms + jitter) / 1000)
 
-    async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+    async def ensure(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> SandboxProbeState:
         await self._delay(self.ensure_latency_ms)
         self.calls.append(
             RecordedCall(
@@ -79,6 +81,7 @@ class MemoryProvisioner(ScopedMethods):
         if self.ensure_failure_rate and self._rng.random() < self.ensure_failure_rate:
             raise SandboxError("injected ensure failure")
         self.live[(scope, sandbox_id)] = "running"
+        return "running"
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
         await self._delay(self.teardown_latency_ms)

@@ -567,8 +567,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--ensure-failure-rate", type=float, default=0.05)
     parser.add_argument("--teardown-failure-rate", type=float, default=0.05)
-    parser.add_argument("--latency-ms", type=float, default=0.0, help="memory driver: calls take 0..this long")
-    parser.add_argument("--hang-rate", type=float, default=0.0, help="memory driver: share of calls that hang")
+    parser.add_argument(
+        "--latency-ms", type=float, default=0.0, help="memory driver: calls take 0..this long"
+    )
+    parser.add_argument(
+        "--hang-rate", type=float, default=0.0, help="memory driver: share of calls that hang"
+    )
     parser.add_argument(
         "--feed-seconds", type=float, help="spread the feed over this long (default max(20, N/60))"
     )

@@ -52,10 +52,13 @@ class FakeProvisioner(ScopedMethods):
     def driver_name(self) -> str:
         return "fake"
 
-    async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+    async def ensure(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> SandboxProbeState:
         if self.ensure_error is not None:
             raise self.ensure_error
         self.ensured.append(Ensured(scope, sandbox_id, env))
+        return "running"
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
         if self.deprovision_error is not None:

@@ -140,7 +140,7 @@ async def test_provisions_a_labeled_hardened_container_probes_and_tears_down(
     name = sandbox_base_name("session", "ses_docker_1")
     assert await p.probe("session", "ses_docker_1") == "absent"
 
-    await p.ensure_session_sandbox("ses_docker_1", _env("session:ses_docker_1"))
+    assert await p.ensure("session", "ses_docker_1", _env("session:ses_docker_1")) == "running"
     assert await p.probe("session", "ses_docker_1") == "running"
     attrs = await asyncio.to_thread(_inspect, client, name)
     first_id = attrs["Id"]
@@ -283,7 +283,7 @@ async def test_a_stopped_container_of_ours_is_adopted_and_started(
     existing = await asyncio.to_thread(_precreate, client, docker_image, name, labels)
     p = make()
     assert await p.probe("session", "ses_adopt") == "stopped"
-    await p.ensure_session_sandbox("ses_adopt", _env("session:ses_adopt"))
+    assert await p.ensure("session", "ses_adopt", _env("session:ses_adopt")) == "running"
     attrs = await asyncio.to_thread(_inspect, client, name)
     assert attrs["Id"] == existing and attrs["State"]["Running"] is True
     assert await p.probe("session", "ses_adopt") == "running"

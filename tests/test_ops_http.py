@@ -31,7 +31,7 @@ from consumers.embedded_broker import free_port
 from consumers.http_server import OpsServer
 from consumers.settings import load_settings
 from consumers.topology import ensure_topics
-from drivers.contract import SandboxEnvironment, SandboxScope
+from drivers.contract import SandboxEnvironment, SandboxProbeState, SandboxScope
 from drivers.memory import MemoryProvisioner
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
@@ -329,9 +329,11 @@ class SlowProvisioner(MemoryProvisioner):
 
     delay: float = 3.0
 
-    async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+    async def ensure(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> SandboxProbeState:
         await asyncio.sleep(self.delay)
-        await super().ensure(scope, sandbox_id, env)
+        return await super().ensure(scope, sandbox_id, env)
 
 
 @pytest.mark.kafka

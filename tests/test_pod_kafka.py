@@ -16,7 +16,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from consumers.settings import load_settings
-from drivers.contract import SandboxEnvironment, SandboxScope
+from drivers.contract import SandboxEnvironment, SandboxProbeState, SandboxScope
 from drivers.local_process import new_local_process_provisioner
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
@@ -180,9 +180,11 @@ async def test_a_redelivered_input_changes_nothing(kafka_bootstrap: str, tmp_pat
 
         driver_name = "local-process"
 
-        async def ensure(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+        async def ensure(
+            self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+        ) -> SandboxProbeState:
             calls.append(sandbox_id)
-            await real.ensure(scope, sandbox_id, env)
+            return await real.ensure(scope, sandbox_id, env)
 
         def __getattr__(self, name: str) -> object:
             return getattr(real, name)

@@ -160,7 +160,7 @@ def test_agent_terminal_phase_does_not_tear_down_the_long_lived_session_sandbox(
     # transaction): the phase's error waits for it, so the ensure's pre-stamp keeps upstream's
     # first-non-empty-wins order; a successful ensure then lets the phase's error through.
     assert decision.state.status_error == "" and decision.state.deferred_status_error == "boom"
-    (effect_id, _), = pending_of(decision.state)
+    ((effect_id, _),) = pending_of(decision.state)
     done = complete_effect(decision.state, effect_id, CommandResult(ok=True, probe_state="running"), CONFIG)
     assert done.state is not None and done.state.status_error == "boom"
     assert done.state.deferred_status_error == "" and not done.state.pending
