@@ -12,7 +12,6 @@ COPY pyproject.toml README.md ./
 COPY consumers ./consumers
 COPY drivers ./drivers
 COPY events ./events
-COPY scripts ./scripts
 RUN /opt/venv/bin/pip install --no-compile . \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 

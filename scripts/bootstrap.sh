@@ -28,7 +28,7 @@ if [[ $want_system -eq 1 ]]; then
   docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || missing+=(docker-compose)
   command -v etcd >/dev/null || missing+=(etcd-server)
   [[ -x /bin/busybox ]] || missing+=(busybox-static)
-  # the pod image test builds its Python base from Debian packages (scripts/python_base_image.py)
+  # the pod image test builds its Python base from Debian packages (devtools/harness/python_base_image.py)
   command -v debootstrap >/dev/null || [[ -x /usr/sbin/debootstrap ]] || missing+=(debootstrap)
   command -v openssl >/dev/null || missing+=(openssl)
   command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
@@ -55,5 +55,5 @@ if [[ $want_python -eq 1 ]]; then
   fi
   log "installing sandbox-lanes and its test dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e '.[test]'
+  .venv/bin/python -m pip install -q -e '.[test]' -e devtools
 fi

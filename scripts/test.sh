@@ -10,14 +10,15 @@ export PATH="/usr/local/go/bin:$PATH"
 
 scripts/bootstrap.sh
 echo "[test] fetching Apache Kafka 4.4.0 with Maven (cached)" >&2
-.venv/bin/python -m scripts.kafka_broker prepare
+.venv/bin/python -m harness.kafka_broker prepare
 echo "[test] building kube-apiserver from source (cached)" >&2
-.venv/bin/python -m scripts.kube_apiserver build
+.venv/bin/python -m harness.kube_apiserver build
 echo "[test] building the Debian Python base for the pod image test (cached)" >&2
-.venv/bin/python -m scripts.python_base_image prepare
+.venv/bin/python -m harness.python_base_image prepare
 echo "[test] lint and types" >&2
-.venv/bin/ruff check consumers events drivers scripts tests
+.venv/bin/ruff check consumers events drivers devtools tests
 .venv/bin/mypy consumers events drivers
+.venv/bin/lint-imports  # the layer contracts in pyproject.toml [tool.importlinter]
 echo "[test] pytest" >&2
 # A skipped test is a failure here (tests/conftest.py), and so is "no tests collected" (exit 5).
 SANDBOX_LANES_FORBID_SKIPS=1 exec .venv/bin/python -m pytest -ra "$@"

@@ -6,7 +6,7 @@ rules say the inputs must produce.
     python -m tests.chaos                                  # 2000 executions, memory driver, both guarantees
     python -m tests.chaos --driver local-process --executions 200
 
-The broker is a real Apache Kafka (scripts/kafka_broker.py) the script starts and stops itself,
+The broker is a real Apache Kafka (devtools/harness/kafka_broker.py) the script starts and stops itself,
 unless ``--bootstrap`` names one (then it is not restarted). Pods are ``sandbox-lanes run`` child
 processes (tests/pod_harness.PodProcess). Exit code 0 = ``ALL-RECORDS-DELIVERED``.
 """
@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import Literal
 
 from aiokafka import AIOKafkaProducer
+from harness.kafka_broker import KafkaBroker, prepare
 
-from consumers.progress import progress
-from consumers.settings import load_settings
-from consumers.tools import topic_for
+from consumers.ops.progress import progress
+from consumers.ops.settings import load_settings
+from consumers.tools.topic_io import topic_for
 from drivers.local_process import new_local_process_provisioner
 from events.codec import encode
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
-from scripts.kafka_broker import KafkaBroker, prepare
 from tests.chaos_verify import Verdict, read_all, verify, wait_caught_up, wait_effects_folded
 from tests.chaos_workload import LANE_ENV, Workload, expectations, generate, lane_config
 from tests.pod_harness import ROOT, PodProcess, unique_env
@@ -299,10 +299,10 @@ async def _local_process_leaks(
 
     before = [m for m in await driver.list_managed() if over(m.scope, m.sandbox_id)]
     figures["leaked before the reaper"] = len(before)
-    if importlib.util.find_spec("consumers.reaper") is not None:
+    if importlib.util.find_spec("consumers.tools.reaper") is not None:
         proc = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "consumers.cli", "reap", "--apply"],
+            [sys.executable, "-m", "consumers.tools.cli", "reap", "--apply"],
             # The operator's reaper runs with the default teardown bound, not the pods' short one.
             env={**os.environ, **env, "PYTHONPATH": str(ROOT), "SANDBOX_LANES_TEARDOWN_TIMEOUT_S": "60"},
             cwd=ROOT,
@@ -316,7 +316,9 @@ async def _local_process_leaks(
             out("  " + (proc.stdout + proc.stderr)[-2000:].replace("\n", "\n  "))
         figures["reaper"] = 1
     else:
-        out("  reaper: consumers/reaper.py not present, reaping directly through the driver's list_managed")
+        out(
+            "  reaper: consumers/tools/reaper.py not present, reaping directly through the driver's list_managed"
+        )
         for m in before:
             with contextlib.suppress(Exception):
                 await driver.deprovision(m.scope, m.sandbox_id)

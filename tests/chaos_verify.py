@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from consumers.topology import Topics
+from consumers.runtime.topology import Topics
 from events.codec import OUTCOME_TYPES, decode, decode_state, header
 from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2, state_pb2
 from tests.chaos_workload import Expected

@@ -1,7 +1,7 @@
 """The chaos workload: a seeded, realistic input stream and what the pure rules say must come of it.
 
 Pure (no I/O): ``generate`` plans every record to produce (time offset + event + why), and
-``expectations`` folds each key's planned history through ``consumers.rules.decide``/``complete``
+``expectations`` folds each key's planned history through ``consumers.lanes.rules.decide``/``complete``
 to say which outcome every input must have, which inputs must be dead-lettered, and which
 sandboxes must be gone at the end.
 """
@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from consumers.rules import CommandResult, Deprovision, Ensure, LaneConfig, StateView, complete, decide
-from consumers.settings import load_settings
+from consumers.lanes.commands import CommandResult, Deprovision, Ensure, LaneConfig, StateView
+from consumers.lanes.rules import complete, decide
+from consumers.ops.settings import load_settings
 from events.codec import InputEvent, new_meta, record_key
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 

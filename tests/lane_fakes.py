@@ -9,11 +9,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from consumers.credentials import MintedCredential, SandboxCredentialRequest
-from consumers.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
-from consumers.executor import DriverExecutor
-from consumers.processor import LaneProcessor
-from consumers.rules import LaneConfig
+from consumers.lanes.commands import LaneConfig
+from consumers.lanes.credentials import SandboxCredentialRequest
+from consumers.lanes.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
+from consumers.runtime.executor import DriverExecutor
+from consumers.runtime.processor import LaneProcessor
+from consumers.runtime.runner_tokens import MintedCredential
 from drivers.contract import (
     ManagedSandbox,
     SandboxEnvironment,

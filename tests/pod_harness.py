@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from google.protobuf.message import Message
 
-from consumers.compose import Composed, compose
-from consumers.settings import load_settings
-from consumers.tools import topic_for
+from consumers.ops.compose import Composed, compose
+from consumers.ops.settings import load_settings
+from consumers.tools.topic_io import topic_for
 from events.codec import ALL_TYPES, OUTCOME_TYPES, decode, decode_state, encode, header, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
 
@@ -180,7 +180,7 @@ class PodProcess:
     def start(self) -> None:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "consumers.cli", "run", "--log-level", "info"],
+            [sys.executable, "-m", "consumers.tools.cli", "run", "--log-level", "info"],
             env={**os.environ, **self.env, "PYTHONPATH": str(ROOT)},
             cwd=ROOT,
             stdout=log,

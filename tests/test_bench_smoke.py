@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from scripts.dockerd import Dockerd
+from harness.dockerd import Dockerd
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +32,7 @@ def test_bench_tiny_run_writes_every_figure(
 ) -> None:
     out = tmp_path / "bench.json"
     cmd = [
-        sys.executable, "-m", "consumers.cli", "bench",
+        sys.executable, "-m", "consumers.tools.cli", "bench",
         "--bootstrap", kafka_bootstrap, "--out", str(out), "--no-progress",
         "--repeats", "2", "--events", "300", "--partitions", "2",
         "--latency-seconds", "1", "--latency-warmup", "0.5",
@@ -93,7 +92,7 @@ def test_bench_tiny_burst_measures_time_to_sandbox_for_both_drivers(
 ) -> None:
     out = tmp_path / "burst.json"
     cmd = [
-        sys.executable, "-m", "consumers.cli", "bench", "--only", "burst",
+        sys.executable, "-m", "consumers.tools.cli", "bench", "--only", "burst",
         "--bootstrap", kafka_bootstrap, "--out", str(out), "--no-progress", "--repeats", "1",
         "--burst-n", "40", "--burst-docker-n", "3", "--burst-latency-ms", "50",
         "--docker-host", dockerd.socket_url, "--docker-image", docker_image,

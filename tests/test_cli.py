@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from consumers.cli import build_parser
+from consumers.tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBCOMMANDS = ["run", "demo", "produce", "tail", "replay", "reap", "bench", "config", "config show"]

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from harness import gen_protos
 
 from events.codec import DecodeError, decode, encode, new_meta, record_key
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
-from scripts import gen_protos
 
 
 def created() -> inputs_pb2.ExecutionCreated:
@@ -87,5 +87,5 @@ def test_state_is_not_accepted_as_an_input() -> None:
 
 
 def test_generated_code_is_current() -> None:
-    """Fails when a .proto changed without ``python -m scripts.gen_protos``."""
+    """Fails when a .proto changed without ``python -m harness.gen_protos``."""
     assert gen_protos.main(["--check"]) == 0

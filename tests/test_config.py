@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from consumers.cli import main
-from consumers.logs import REDACTED, setup_logging
-from consumers.settings import SETTINGS, ConfigError, load_settings
+from consumers.ops.logs import REDACTED, setup_logging
+from consumers.ops.settings import SETTINGS, ConfigError, load_settings
+from consumers.tools.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD_KEY = base64.b64encode(b"k" * 32).decode()
@@ -91,7 +91,11 @@ def test_run_fails_fast_on_a_bad_value_before_touching_kafka(tmp_path: Path) -> 
         "SANDBOX_LANES_PROCESSING_GUARANTEE": "exactly-once",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "consumers.cli", "run"], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "consumers.tools.cli", "run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 2, proc.stderr
     assert (
@@ -225,7 +229,7 @@ def test_the_global_config_flag(tmp_path: Path) -> None:
     env.update(PYTHONPATH=str(ROOT), SANDBOX_LANES_PARTITIONS="7")
     for argv in (["--config", str(path), "config", "show"], ["config", "--config", str(path), "show"]):
         proc = subprocess.run(
-            [sys.executable, "-m", "consumers.cli", *argv],
+            [sys.executable, "-m", "consumers.tools.cli", *argv],
             env=env,
             capture_output=True,
             text=True,

@@ -9,11 +9,11 @@ import logging
 
 import pytest
 
-from consumers.credentials import (
+from consumers.lanes.credentials import SandboxCredentialRequest
+from consumers.runtime.runner_tokens import (
     ExecutionScopedRunnerCredentialProvider,
     InvalidTokenError,
     MintingDisabledError,
-    SandboxCredentialRequest,
     mint_sandbox_token,
 )
 

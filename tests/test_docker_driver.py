@@ -11,6 +11,7 @@ from typing import Any
 import docker
 import docker.errors
 import pytest
+from harness.dockerd import Dockerd
 
 from drivers.contract import DriverConfig, SandboxEnvironment, SandboxError, SandboxProvisioner
 from drivers.docker_driver import (
@@ -26,7 +27,6 @@ from drivers.naming import (
     MANAGED_BY_VALUE,
     sandbox_base_name,
 )
-from scripts.dockerd import Dockerd
 
 pytestmark = pytest.mark.docker
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from consumers.credentials import SandboxCredentialRequest
-from consumers.effects import EffectRunner
-from consumers.rules import Command, CommandResult, Deprovision, Ensure
+from consumers.lanes.commands import Command, CommandResult, Deprovision, Ensure
+from consumers.lanes.credentials import SandboxCredentialRequest
+from consumers.runtime.effects import EffectRunner
 
 MINT = SandboxCredentialRequest("workflow", "", "wfx", "org", "usr")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from consumers.settings import load_settings
+from consumers.ops.settings import load_settings
 from drivers.memory import MemoryProvisioner
 from events.sandbox_lanes.v1 import outcomes_pb2
 from tests.pod_harness import (
@@ -180,7 +180,7 @@ async def test_records_fetched_while_the_take_over_still_fences_wait_for_the_fen
     first.kill9()
     await produce(kafka_bootstrap, env, *(wf_created(e) for e in later))
 
-    from consumers.sink import PartitionSinks
+    from consumers.runtime.sink import PartitionSinks
 
     open_sinks = PartitionSinks.open
 

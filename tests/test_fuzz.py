@@ -21,7 +21,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from consumers.settings import load_settings
+from consumers.ops.settings import load_settings
 from events.codec import MAX_PAYLOAD_BYTES, DecodeError, decode_input, encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 from tests.chaos_verify import read_all

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
+from harness.kube_apiserver import KubeApiServer
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -36,7 +37,6 @@ from drivers.kubernetes_driver import (
 )
 from drivers.naming import sandbox_base_name, sandbox_labels
 from drivers.registry import new_sandbox_provisioner
-from scripts.kube_apiserver import KubeApiServer
 
 pytestmark = pytest.mark.kubernetes
 

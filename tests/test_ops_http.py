@@ -27,10 +27,10 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from consumers.embedded_broker import free_port
-from consumers.http_server import OpsServer
-from consumers.settings import load_settings
-from consumers.topology import ensure_topics
+from consumers.ops.http_server import OpsServer
+from consumers.ops.settings import load_settings
+from consumers.runtime.topology import ensure_topics
+from consumers.tools.embedded_broker import free_port
 from drivers.contract import SandboxEnvironment, SandboxProbeState, SandboxScope
 from drivers.memory import MemoryProvisioner
 from events.codec import encode, new_meta
@@ -416,7 +416,7 @@ async def test_commits_that_keep_failing_fail_liveness_then_recover(
     fence is tests/test_zombie_fencing.py's.)"""
     from aiokafka.errors import KafkaError
 
-    from consumers.sink import BatchSink
+    from consumers.runtime.sink import BatchSink
 
     env = unique_env(kafka_bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory")
     topics = load_settings(env).topics
@@ -466,7 +466,7 @@ def test_a_taken_port_fails_fast_with_the_variables_named(tmp_path: Path, level:
             SANDBOX_LANES_HTTP_PORT=str(port), SANDBOX_LANES_LOG_LEVEL=level, SANDBOX_LANES_LOG_FORMAT=fmt
         )
         proc = subprocess.run(
-            [sys.executable, "-m", "consumers.cli", "run"],
+            [sys.executable, "-m", "consumers.tools.cli", "run"],
             env={**env, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
             capture_output=True,
             text=True,

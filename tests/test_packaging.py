@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
-from consumers.settings import SETTINGS, load_settings
-from consumers.topology import Topics
+from consumers.ops.settings import SETTINGS, load_settings
+from consumers.runtime.topology import Topics
 from events.sandbox_lanes.v1 import outcomes_pb2
 from tests.pod_harness import STUB_RUNNER, PodProcess, read_topic, unique_env
 from tests.proc_util import processes_under
@@ -195,7 +195,7 @@ async def test_the_compose_flow_runs_on_the_real_broker(
 
 def _cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "consumers.cli", *argv],
+        [sys.executable, "-m", "consumers.tools.cli", *argv],
         env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,

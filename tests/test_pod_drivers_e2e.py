@@ -14,13 +14,13 @@ from typing import Any
 
 import docker
 import pytest
+from harness.dockerd import Dockerd
+from harness.kube_apiserver import KubeApiServer
 
-from consumers.settings import load_settings
+from consumers.ops.settings import load_settings
 from drivers.naming import LABEL_MANAGED_BY, LABEL_SANDBOX_ID, sandbox_base_name
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
-from scripts.dockerd import Dockerd
-from scripts.kube_apiserver import KubeApiServer
 from tests.pod_harness import produce, read_topic, running_pod, unique_env, wf_terminal
 
 TOKEN_KEY = base64.b64encode(secrets.token_bytes(32)).decode()

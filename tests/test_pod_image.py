@@ -1,6 +1,6 @@
 """The pod image: the repo's Dockerfile built for real on the harness's engine, then run against real Kafka.
 
-The base is a local stand-in for python:3.11-slim-bookworm (scripts/python_base_image.py: Debian
+The base is a local stand-in for python:3.11-slim-bookworm (devtools/harness/python_base_image.py: Debian
 bookworm's Python 3.11 via debootstrap), passed as the Dockerfile's PYTHON_IMAGE build argument; the
 Dockerfile is built unchanged. The engine has no bridge, so the build's `pip install` and the running
 pod use the host's network (loopback Kafka, loopback HTTP).
@@ -16,11 +16,11 @@ from typing import Any
 
 import docker
 import pytest
+from harness.dockerd import Dockerd
+from harness.python_base_image import import_base_image
 
-from consumers.settings import load_settings
+from consumers.ops.settings import load_settings
 from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2
-from scripts.dockerd import Dockerd
-from scripts.python_base_image import import_base_image
 from tests.pod_harness import ROOT, produce, read_topic, unique_env, wf_terminal
 from tests.test_ops_http import free_port, wait_for_status
 from tests.test_pod_drivers_e2e import created

@@ -15,7 +15,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from consumers.settings import load_settings
+from consumers.ops.settings import load_settings
 from drivers.contract import SandboxEnvironment, SandboxProbeState, SandboxScope
 from drivers.local_process import new_local_process_provisioner
 from events.codec import encode, new_meta

@@ -1,4 +1,4 @@
-"""consumers/progress.py: a bar with counts and rate on a terminal, nothing when not a terminal."""
+"""consumers/ops/progress.py: a bar with counts and rate on a terminal, nothing when not a terminal."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from consumers.progress import progress
+from consumers.ops.progress import progress
 
 
 def _read_all(fd: int, idle: float = 0.5, limit: float = 10.0) -> str:

@@ -19,17 +19,17 @@ from typing import Any
 
 import docker
 import pytest
+from harness.dockerd import Dockerd
 
-from consumers.reaper import plan_reap, reaped_event, start_periodic_reaper
-from consumers.rules import LaneConfig
-from consumers.settings import load_settings
+from consumers.lanes.commands import LaneConfig
+from consumers.ops.settings import load_settings
+from consumers.tools.reaper import plan_reap, reaped_event, start_periodic_reaper
 from drivers.contract import ManagedSandbox, SandboxEnvironment, SandboxScope
 from drivers.docker_driver import new_docker_provisioner
 from drivers.local_process import new_local_process_provisioner
 from drivers.naming import LABEL_SANDBOX_ID, sandbox_base_name
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
-from scripts.dockerd import Dockerd
 from tests.pod_harness import ROOT, PodProcess, produce, read_topic, running_pod, unique_env
 from tests.proc_util import runner_pids
 
@@ -182,7 +182,7 @@ def wf_phase(execution_id: str, previous: int, new: int) -> inputs_pb2.PhaseChan
 
 def reap_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "consumers.cli", "reap", "--log-level", "warning", *args],
+        [sys.executable, "-m", "consumers.tools.cli", "reap", "--log-level", "warning", *args],
         env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
         cwd=ROOT,
         capture_output=True,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from consumers.cli import build_parser
-from consumers.replay import Window, lane_config, replay
-from consumers.settings import load_settings
+from consumers.ops.settings import load_settings
+from consumers.tools.cli import build_parser
+from consumers.tools.replay import Window, lane_config, replay
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
 from tests.pod_harness import ROOT, produce, produce_raw, read_topic, running_pod, unique_env
@@ -104,7 +104,7 @@ async def _record_a_run(bootstrap: str, env: dict[str, str]) -> dict[str, str]:
 
 def replay_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "consumers.cli", "replay", "--log-level", "warning", *args],
+        [sys.executable, "-m", "consumers.tools.cli", "replay", "--log-level", "warning", *args],
         env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
         cwd=ROOT,
         capture_output=True,
@@ -194,12 +194,12 @@ async def test_replay_never_builds_the_driver_and_touches_no_sandbox(
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("replay built the configured driver")
 
-    import consumers.compose
+    import consumers.ops.compose
     import drivers.registry
 
     monkeypatch.setattr(drivers.registry, "new_sandbox_provisioner", refuse)
-    monkeypatch.setattr(consumers.compose, "new_sandbox_provisioner", refuse)
-    monkeypatch.setattr(consumers.compose, "build_provisioner", refuse)
+    monkeypatch.setattr(consumers.ops.compose, "new_sandbox_provisioner", refuse)
+    monkeypatch.setattr(consumers.ops.compose, "build_provisioner", refuse)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     args = build_parser().parse_args(["replay", "--from-beginning", "--report", str(tmp_path / "r.json")])

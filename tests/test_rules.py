@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from consumers.constants import (
+from consumers.lanes.commands import CommandResult, Deprovision, Ensure, LaneConfig, StateView
+from consumers.lanes.constants import (
     SANDBOX_PROVISIONING_FAILED_PREFIX,
     SANDBOX_TOKEN_TTL_SECONDS,
     SESSION_QUEUE_PREFIX,
@@ -10,24 +11,15 @@ from consumers.constants import (
     WFEXEC_QUEUE_PREFIX,
     WORKFLOW_SANDBOX_FAILED_MESSAGE,
 )
-from consumers.dispatch import (
+from consumers.lanes.dispatch import (
     AgentExecutionTemporalConfig,
     WorkflowExecutionTemporalConfig,
     resolve_activity_task_queue,
     resolve_execution_target,
     resolve_workflow_task_queue,
 )
-from consumers.rules import (
-    CommandResult,
-    Deprovision,
-    Ensure,
-    LaneConfig,
-    StateView,
-    complete,
-    complete_effect,
-    decide,
-    pending_of,
-)
+from consumers.lanes.outbox import pending_of
+from consumers.lanes.rules import complete, complete_effect, decide
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 from tests.lane_fakes import (

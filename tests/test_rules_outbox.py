@@ -3,19 +3,9 @@ completed one by one later, with the same outcomes as the synchronous path and n
 
 from __future__ import annotations
 
-from consumers.rules import (
-    CommandResult,
-    Deprovision,
-    Ensure,
-    LaneConfig,
-    StateView,
-    command_id,
-    complete,
-    complete_effect,
-    decide,
-    new_effects,
-    pending_of,
-)
+from consumers.lanes.commands import CommandResult, Deprovision, Ensure, LaneConfig, StateView
+from consumers.lanes.outbox import command_id, new_effects, pending_of
+from consumers.lanes.rules import complete, complete_effect, decide
 from events.codec import derived_event_id, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 from tests.lane_fakes import EXECUTION_ROUTING_CONFIG, SESSION_ROUTING_CLOUD_DEFAULT

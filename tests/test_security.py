@@ -27,8 +27,8 @@ from typing import Any
 import docker
 import pytest
 
-from consumers.embedded_broker import free_port
-from consumers.settings import load_settings
+from consumers.ops.settings import load_settings
+from consumers.tools.embedded_broker import free_port
 from drivers.naming import LABEL_SANDBOX_ID
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
@@ -68,7 +68,7 @@ def _token_from_proc(task_queue: str) -> str:
 
 def _cli(env: dict[str, str], *args: str) -> bytes:
     proc = subprocess.run(
-        [sys.executable, "-m", "consumers.cli", *args],
+        [sys.executable, "-m", "consumers.tools.cli", *args],
         env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
         cwd=ROOT,
         capture_output=True,

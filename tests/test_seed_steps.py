@@ -12,10 +12,10 @@ import logging
 
 import pytest
 
-from consumers.constants import SANDBOX_PROVISIONING_FAILED_PREFIX
-from consumers.credentials import SandboxCredentialRequest
-from consumers.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
-from consumers.rules import StateView
+from consumers.lanes.commands import StateView
+from consumers.lanes.constants import SANDBOX_PROVISIONING_FAILED_PREFIX
+from consumers.lanes.credentials import SandboxCredentialRequest
+from consumers.lanes.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 from tests.lane_fakes import (

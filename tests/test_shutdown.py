@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from consumers.settings import load_settings
+from consumers.ops.settings import load_settings
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 from tests.pod_harness import PodProcess, Received, produce, read_topic, unique_env

@@ -15,20 +15,20 @@ import logging
 
 import pytest
 
-from consumers.compose import build_provisioner
-from consumers.constants import (
+from consumers.lanes.commands import StateView
+from consumers.lanes.constants import (
     LOG_SESSION_DEPROVISION_FAILED,
     LOG_SESSION_PROVISIONING_FAILED,
     LOG_WORKFLOW_PROVISIONING_FAILED,
 )
-from consumers.credentials import (
+from consumers.lanes.credentials import SandboxCredentialRequest
+from consumers.ops.compose import build_provisioner
+from consumers.ops.settings import ConfigError, load_settings
+from consumers.runtime.runner_tokens import (
     ExecutionScopedRunnerCredentialProvider,
     InvalidTokenError,
-    SandboxCredentialRequest,
     mint_sandbox_token,
 )
-from consumers.rules import StateView
-from consumers.settings import ConfigError, load_settings
 from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2
 from tests.lane_fakes import CapabilityCredentials, FakeProvisioner, lane_processor
 from tests.test_seed_steps import seed, session_deleted, workflow_execution

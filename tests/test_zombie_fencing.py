@@ -17,9 +17,9 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
 
-from consumers.settings import load_settings
-from consumers.sink import PartitionSinks
-from consumers.topology import Topics
+from consumers.ops.settings import load_settings
+from consumers.runtime.sink import PartitionSinks
+from consumers.runtime.topology import Topics
 from events.codec import EncodedRecord
 from events.sandbox_lanes.v1 import outcomes_pb2
 from tests.pod_harness import PodProcess, latest_states, produce, read_topic, unique_env, wf_created
@@ -132,3 +132,50 @@ async def test_a_pod_paused_past_its_session_timeout_and_resumed_writes_no_secon
     # partitions (voiding its results) before it tried.
     assert "fenced: another writer owns the partition" in log or "partitions released" in log, log[-3000:]
     assert codes == [0, 0], log[-5000:]
+
+
+async def test_a_transaction_the_broker_timed_out_fences_the_producer_and_the_pod_replaces_it(
+    kafka_bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The issue's wedge, forced for real: one transaction is held open (its commit delayed) past the
+    1 s transaction timeout until the broker's cleanup (every 10 s) aborts it and bumps the producer's
+    epoch. The commit then fails fenced; the pod stands down, rejoins with a new producer, decides the
+    record again and keeps deciding new ones: one outcome each, commits succeed again."""
+    import logging
+
+    from consumers.runtime.sink import BatchSink
+    from drivers.memory import MemoryProvisioner
+    from tests.pod_harness import running_pod
+
+    caplog.set_level(logging.INFO, logger="sandbox_lanes")
+    env = unique_env(
+        kafka_bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory", SANDBOX_LANES_TRANSACTION_TIMEOUT_MS="1000"
+    )
+    topics = load_settings(env).topics
+    real_commit = BatchSink.commit
+    held = asyncio.Event()
+
+    async def commit(self: BatchSink, offsets: dict[TopicPartition, int]) -> None:
+        if offsets and not held.is_set():
+            held.set()
+            await asyncio.sleep(14)  # > timeout + the broker's 10 s abort-cleanup interval
+        await real_commit(self, offsets)
+
+    first = f"wfx_txn_timeout_{RUN}"
+    later = [f"wfx_txn_timeout_{RUN}_after_{i}" for i in range(4)]
+    async with running_pod(env, provisioner=MemoryProvisioner()) as composed:
+        monkeypatch.setattr(BatchSink, "commit", commit)
+        await produce(kafka_bootstrap, env, wf_created(first))
+        await asyncio.wait_for(held.wait(), 20)
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1, timeout_s=90)
+        await produce(kafka_bootstrap, env, *(wf_created(e) for e in later))
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=5, timeout_s=60, settle_s=2.0)
+        stats = composed.pod.stats
+        assert stats.commit_failures >= 1
+        assert stats.commits_failing_since is None  # a later commit went through
+        assert composed.pod.health().alive
+    provisioned = Counter(
+        r.message.execution_id for r in outcomes if isinstance(r.message, outcomes_pb2.SandboxProvisioned)
+    )
+    assert provisioned == Counter([first, *later])
+    assert "fenced: another writer owns the partition now" in caplog.text

@@ -1,0 +1,459 @@
+"""The lane rules as pure functions.
+
+A decision is ``decide(event, stored state, config) -> Decision`` (driver
+commands + the state with the event applied + log intents), and the outcome of
+running those commands is folded back by ``complete(decision, results, config)
+-> Outcome`` (new state + output events + log intents). Nothing here does I/O,
+reads a clock (time comes from the event) or mints a credential; that is what
+makes replay and tests cheap.
+
+Upstream mapping (``sandbox/steps.ts``): the session lane is
+``ensureSessionSandboxForExecution``, the workflow lane
+``ensureWorkflowSandboxForExecution``, the terminal observer
+``newWorkflowSandboxTerminalObserver`` and session deletion
+``deprovisionSessionSandboxBestEffort``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from consumers.lanes.commands import (
+    SCOPE_ENUM,
+    CommandResult,
+    Decision,
+    Deprovision,
+    Ensure,
+    LaneConfig,
+    LogIntent,
+    Outcome,
+    StateView,
+)
+from consumers.lanes.constants import (
+    LOG_SESSION_DEPROVISION_FAILED,
+    LOG_SESSION_PROVISIONING_FAILED,
+    LOG_SESSION_ROUTING_NOT_PER_SESSION,
+    LOG_WORKFLOW_DEPROVISION_FAILED,
+    LOG_WORKFLOW_DEPROVISIONED,
+    LOG_WORKFLOW_PROVISIONING_FAILED,
+    SANDBOX_PROVISIONING_FAILED_PREFIX,
+    TERMINAL_WORKFLOW_PHASES,
+    WORKFLOW_ROUTING_EXECUTION,
+    WORKFLOW_SANDBOX_FAILED_MESSAGE,
+)
+from consumers.lanes.credentials import SandboxCredentialRequest
+from consumers.lanes.dispatch import (
+    format_session_task_queue,
+    resolve_activity_task_queue,
+    resolve_workflow_task_queue,
+)
+from consumers.lanes.outbox import command_id, command_of, fill_pending
+from drivers.contract import SandboxScope
+from drivers.naming import sandbox_base_name
+from events.codec import InputEvent, OutcomeEvent, derived_event_id
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
+
+#: How many applied input ids each execution remembers (the duplicate filter).
+APPLIED_IDS_KEPT = 32
+STATE_SCHEMA_VERSION = 1
+
+
+# --- decide --------------------------------------------------------------------------------------
+
+
+def decide(event: InputEvent, stored: StateView, config: LaneConfig) -> Decision:
+    """Apply one input event to the stored state; say which driver commands to run."""
+    if not config.enabled:
+        # Disabled lane: return before any state access (upstream test: the store proxy throws).
+        return Decision(event=event, state=None)
+    current = stored.get()
+    if current is not None and event.meta.event_id in current.applied_event_ids:
+        return Decision(event, None, (), (), None, True)
+    if isinstance(event, inputs_pb2.ExecutionCreated):
+        decision = _decide_created(event, current, config)
+    elif isinstance(event, inputs_pb2.PhaseChanged):
+        decision = _decide_phase_changed(event, current)
+    else:
+        decision = _decide_session_deleted(event, current)
+    if decision.commands:
+        assert decision.state is not None  # commands always come with a state
+        fill_pending(decision.state, event, decision.commands)
+    return decision
+
+
+_ExecutionState = state_pb2.ExecutionState
+
+
+def _applied(
+    current: state_pb2.ExecutionState | None, key: str, event: InputEvent
+) -> state_pb2.ExecutionState:
+    # Field by field: upb's attribute sets are cheaper than its keyword constructor.
+    meta = event.meta
+    state = _ExecutionState()
+    if current is None:
+        state.schema_version = STATE_SCHEMA_VERSION
+        state.execution_id = key
+        state.applied_event_ids.append(meta.event_id)
+        state.applied_count = 1
+    else:
+        state.CopyFrom(current)
+        state.schema_version = STATE_SCHEMA_VERSION
+        state.execution_id = key
+        ids = state.applied_event_ids
+        ids.append(meta.event_id)
+        if len(ids) > APPLIED_IDS_KEPT:
+            del ids[: len(ids) - APPLIED_IDS_KEPT]
+        state.applied_count += 1
+    if meta.HasField("occurred_at"):
+        state.updated_at.CopyFrom(meta.occurred_at)
+    return state
+
+
+def _decide_created(
+    event: inputs_pb2.ExecutionCreated, current: state_pb2.ExecutionState | None, config: LaneConfig
+) -> Decision:
+    state = _applied(current, event.execution_id, event)
+    if current is not None:
+        if current.created:
+            # A second create for one execution (a producer retry under a new id) is a no-op.
+            return Decision(event, state)
+        if state.phase == common_pb2.EXECUTION_PHASE_UNSPECIFIED:
+            state.phase = common_pb2.EXECUTION_PENDING
+    else:
+        state.phase = common_pb2.EXECUTION_PENDING
+    state.created = True
+    kind = event.kind
+    state.kind = kind
+    state.session_id = event.session_id
+    state.org = event.org
+    if kind == common_pb2.AGENT_EXECUTION:
+        return _session_lane(event, state, config)
+    return _workflow_lane(event, state, config)
+
+
+def _session_lane(
+    event: inputs_pb2.ExecutionCreated, state: state_pb2.ExecutionState, config: LaneConfig
+) -> Decision:
+    session_id = event.session_id
+    if session_id == "" or event.activity_task_queue != "":
+        # No session, or the wfexec: override lane (child shares its parent's sandbox).
+        return Decision(event, state)
+    dispatch = resolve_activity_task_queue(session_id, event.session_execution_target, config.agent)
+    if dispatch.execution_target != common_pb2.CLOUD:
+        return Decision(event, state)
+    task_queue = dispatch.task_queue
+    if task_queue != format_session_task_queue(session_id):
+        warn = LogIntent(
+            "warning",
+            LOG_SESSION_ROUTING_NOT_PER_SESSION,
+            {"executionId": event.execution_id, "sessionId": session_id, "taskQueue": task_queue},
+        )
+        return Decision(event, state, (), (warn,))
+    # Positional (field order: scope, sandbox_id, task_queue, caller_class, mint, critical).
+    execution_id = event.execution_id
+    mint = SandboxCredentialRequest("session", session_id, execution_id, event.org, event.caller_identity_id)
+    ensure = Ensure("session", session_id, task_queue, event.caller_class, mint, False)
+    return Decision(event, state, (ensure,))
+
+
+def _workflow_lane(
+    event: inputs_pb2.ExecutionCreated, state: state_pb2.ExecutionState, config: LaneConfig
+) -> Decision:
+    execution_id = event.execution_id
+    workflow = config.workflow
+    if execution_id == "" or workflow.workflow_activity_routing != WORKFLOW_ROUTING_EXECUTION:
+        return Decision(event, state)
+    dispatch = resolve_workflow_task_queue(execution_id, event.workflow_execution_target, workflow)
+    if dispatch.execution_target != common_pb2.CLOUD:
+        return Decision(event, state)
+    task_queue = dispatch.task_queue
+    mint = SandboxCredentialRequest("workflow", "", execution_id, event.org, event.caller_identity_id)
+    ensure = Ensure("workflow", execution_id, task_queue, event.caller_class, mint, True)
+    return Decision(event, state, (ensure,))
+
+
+def _decide_phase_changed(
+    event: inputs_pb2.PhaseChanged, current: state_pb2.ExecutionState | None
+) -> Decision:
+    if current is None or not current.created:
+        return Decision(
+            event=event,
+            state=None,
+            reject=(
+                f"phase-changed for unknown execution '{event.execution_id}' (no execution-created applied)"
+            ),
+        )
+    kind = event.kind
+    if current.kind != kind:
+        return Decision(
+            event=event,
+            state=None,
+            reject=(
+                f"phase-changed kind {common_pb2.ExecutionKind.Name(kind)} does not match the "
+                f"execution's kind {common_pb2.ExecutionKind.Name(current.kind)}"
+            ),
+        )
+    execution_id = event.execution_id
+    state = _applied(current, execution_id, event)
+    new_phase = event.new_phase
+    state.phase = new_phase
+    error = event.error
+    if error and not state.status_error:
+        if _session_ensure_pending(state):
+            # The pending ensure's failure pre-stamp would have won upstream (it stamps before
+            # the execution moves on): this error waits for the ensure to complete.
+            if not state.deferred_status_error:
+                state.deferred_status_error = error
+        else:
+            state.status_error = error
+    if (
+        kind == common_pb2.WORKFLOW_EXECUTION
+        and event.previous_phase != new_phase
+        and new_phase in TERMINAL_WORKFLOW_PHASES
+    ):
+        return Decision(event, state, (Deprovision("workflow", execution_id, new_phase),))
+    # Session sandboxes are long-lived: an agent execution's terminal phase tears nothing down.
+    return Decision(event, state)
+
+
+def _session_ensure_pending(state: state_pb2.ExecutionState) -> bool:
+    return any(e.op == state_pb2.EFFECT_OP_ENSURE and not e.critical for e in state.pending)
+
+
+def _decide_session_deleted(
+    event: inputs_pb2.SessionDeleted, current: state_pb2.ExecutionState | None
+) -> Decision:
+    session_id = event.session_id
+    state = _applied(current, session_id, event)
+    command = Deprovision("session", session_id, common_pb2.EXECUTION_PHASE_UNSPECIFIED)
+    return Decision(event, state, (command,))
+
+
+# --- complete ------------------------------------------------------------------------------------
+
+
+def complete(decision: Decision, results: Sequence[CommandResult], config: LaneConfig) -> Outcome:
+    """Fold the results of the decision's own commands into its state (in place), in order.
+
+    The synchronous path: replay and the seed tests run a decision's commands at once. The pod
+    completes each pending entry on its own, later, with :func:`complete_effect`; both give the
+    same outcome events and the same final state.
+    """
+    commands = decision.commands
+    if len(results) != len(commands):
+        raise ValueError(f"{len(commands)} commands but {len(results)} results")
+    state = decision.state
+    logs = decision.logs
+    if not commands:
+        return Outcome(state, (), tuple(logs))
+    assert state is not None  # commands always come with a state
+    outputs: list[OutcomeEvent] = []
+    causation_id = decision.event.meta.event_id
+    for command, result in zip(commands, results, strict=True):
+        out, more_logs = _fold(state, command_id(causation_id, command), result, config)
+        if out is not None:
+            outputs.append(out)
+        if more_logs:
+            logs = (*logs, *more_logs)
+    return Outcome(state, tuple(outputs), tuple(logs))
+
+
+def complete_effect(
+    state: state_pb2.ExecutionState, effect_id: str, result: CommandResult, config: LaneConfig
+) -> Outcome:
+    """Fold one pending driver call's result into a copy of ``state``.
+
+    Not pending (already completed, by this pod or the partition's previous owner): nothing to
+    write, ``Outcome(None, (), ())`` — which is what makes the outcome exist exactly once.
+    """
+    if not any(entry.command_id == effect_id for entry in state.pending):
+        return Outcome(None, (), ())
+    new = state_pb2.ExecutionState()
+    new.CopyFrom(state)
+    out, logs = _fold(new, effect_id, result, config)
+    return Outcome(new, (out,) if out is not None else (), logs)
+
+
+def _fold(
+    state: state_pb2.ExecutionState, effect_id: str, result: CommandResult, config: LaneConfig
+) -> tuple[OutcomeEvent | None, tuple[LogIntent, ...]]:
+    pending = state.pending
+    index = next((i for i, e in enumerate(pending) if e.command_id == effect_id), -1)
+    if index < 0:
+        return None, ()
+    entry = pending[index]
+    command = command_of(entry)
+    occurred_at = entry.occurred_at if entry.HasField("occurred_at") else None
+    causation_id = entry.causation_id
+    del pending[index]
+    if isinstance(command, Ensure):
+        out, logs = _complete_ensure(causation_id, occurred_at, command, result, state, config)
+        if state.deferred_status_error and not _session_ensure_pending(state):
+            if not state.status_error:
+                state.status_error = state.deferred_status_error
+            state.deferred_status_error = ""
+        return out, logs
+    return _complete_deprovision(causation_id, occurred_at, command, result, state, config)
+
+
+def sandbox_ref(
+    config: LaneConfig, scope: SandboxScope, sandbox_id: str, task_queue: str = ""
+) -> common_pb2.SandboxRef:
+    return common_pb2.SandboxRef(
+        scope=SCOPE_ENUM[scope],  # type: ignore[arg-type]
+        sandbox_id=sandbox_id,
+        name=sandbox_base_name(scope, sandbox_id),
+        driver=config.driver_name,
+        task_queue=task_queue,
+    )
+
+
+def _fill_ref(
+    ref: common_pb2.SandboxRef, config: LaneConfig, scope: SandboxScope, sandbox_id: str, task_queue: str = ""
+) -> None:
+    """:func:`sandbox_ref` written into the outcome's own sub-message (no message built and copied)."""
+    ref.scope = SCOPE_ENUM[scope]  # type: ignore[assignment]
+    ref.sandbox_id = sandbox_id
+    ref.name = sandbox_base_name(scope, sandbox_id)
+    ref.driver = config.driver_name
+    ref.task_queue = task_queue
+
+
+def _fill_meta(
+    meta: common_pb2.EventMeta,
+    causation_id: str,
+    occurred_at: Timestamp | None,
+    kind: str,
+    scope: SandboxScope,
+    config: LaneConfig,
+) -> str:
+    """The outcome's meta, written in place; returns its (deterministic) event id."""
+    event_id = derived_event_id(causation_id, kind, scope)
+    meta.event_id = event_id
+    meta.schema_version = STATE_SCHEMA_VERSION
+    meta.source = config.source
+    meta.causation_id = causation_id
+    if occurred_at is not None:
+        meta.occurred_at.CopyFrom(occurred_at)
+    return event_id
+
+
+def _record(
+    state: state_pb2.ExecutionState, ref: common_pb2.SandboxRef, lifecycle: int, reason: str, outcome_id: str
+) -> None:
+    scope = ref.scope
+    sandbox_id = ref.sandbox_id
+    for existing in state.sandboxes:
+        box = existing.sandbox
+        if box.scope == scope and box.sandbox_id == sandbox_id:
+            target = existing
+            break
+    else:
+        target = state.sandboxes.add()
+    target.sandbox.CopyFrom(ref)
+    target.lifecycle = lifecycle  # type: ignore[assignment]
+    target.reason = reason
+    target.outcome_event_id = outcome_id
+
+
+_PHASE_NAMES: dict[int, str] = {v.number: v.name for v in common_pb2.ExecutionPhase.DESCRIPTOR.values}
+
+
+def _phase_name(phase: int) -> str:
+    name = _PHASE_NAMES.get(phase)
+    return name if name is not None else common_pb2.ExecutionPhase.Name(phase)  # type: ignore[arg-type]
+
+
+def _complete_ensure(
+    causation_id: str,
+    occurred_at: Timestamp | None,
+    command: Ensure,
+    result: CommandResult,
+    state: state_pb2.ExecutionState,
+    config: LaneConfig,
+) -> tuple[OutcomeEvent, tuple[LogIntent, ...]]:
+    scope = command.scope
+    execution_id = command.mint.execution_id
+    if result.ok:
+        provisioned = outcomes_pb2.SandboxProvisioned()
+        outcome_id = _fill_meta(
+            provisioned.meta, causation_id, occurred_at, "SandboxProvisioned", scope, config
+        )
+        provisioned.execution_id = execution_id
+        ref = provisioned.sandbox
+        _fill_ref(ref, config, scope, command.sandbox_id, command.task_queue)
+        provisioned.probe_state = result.probe_state
+        provisioned.token_minted = result.token_minted
+        _record(state, ref, state_pb2.SANDBOX_PROVISIONED, "", outcome_id)
+        return provisioned, ()
+    error = result.error
+    failed = outcomes_pb2.SandboxFailed()
+    outcome_id = _fill_meta(failed.meta, causation_id, occurred_at, "SandboxFailed", scope, config)
+    failed.execution_id = execution_id
+    ref = failed.sandbox
+    _fill_ref(ref, config, scope, command.sandbox_id, command.task_queue)
+    failed.reason = error
+    failed.critical = command.critical
+    failed.code = common_pb2.STATUS_CODE_UNAVAILABLE
+    if command.critical:
+        failed.message = WORKFLOW_SANDBOX_FAILED_MESSAGE
+        fields = {"executionId": execution_id, "error": error}
+        log = LogIntent("error", LOG_WORKFLOW_PROVISIONING_FAILED, fields)
+    else:
+        # The pre-stamp: first non-empty status.error wins; the phase is never touched.
+        stamp = SANDBOX_PROVISIONING_FAILED_PREFIX + error
+        if not state.status_error:
+            state.status_error = stamp
+        failed.message = stamp
+        log = LogIntent(
+            "error",
+            LOG_SESSION_PROVISIONING_FAILED,
+            {"executionId": execution_id, "sessionId": command.sandbox_id, "error": error},
+        )
+    _record(state, ref, state_pb2.SANDBOX_FAILED, error, outcome_id)
+    return failed, (log,)
+
+
+def _complete_deprovision(
+    causation_id: str,
+    occurred_at: Timestamp | None,
+    command: Deprovision,
+    result: CommandResult,
+    state: state_pb2.ExecutionState,
+    config: LaneConfig,
+) -> tuple[OutcomeEvent, tuple[LogIntent, ...]]:
+    scope = command.scope
+    workflow = scope == "workflow"
+    execution_id = command.sandbox_id if workflow else ""
+    if result.ok:
+        done = outcomes_pb2.SandboxDeprovisioned()
+        outcome_id = _fill_meta(done.meta, causation_id, occurred_at, "SandboxDeprovisioned", scope, config)
+        done.execution_id = execution_id
+        ref = done.sandbox
+        _fill_ref(ref, config, scope, command.sandbox_id)
+        done.phase = command.phase  # type: ignore[assignment]
+        _record(state, ref, state_pb2.SANDBOX_DEPROVISIONED, "", outcome_id)
+        if workflow:
+            phase = _phase_name(command.phase)
+            return done, (
+                LogIntent("info", LOG_WORKFLOW_DEPROVISIONED, {"executionId": execution_id, "phase": phase}),
+            )
+        return done, ()
+    error = result.error
+    failed = outcomes_pb2.SandboxTeardownFailed()
+    outcome_id = _fill_meta(failed.meta, causation_id, occurred_at, "SandboxTeardownFailed", scope, config)
+    failed.execution_id = execution_id
+    ref = failed.sandbox
+    _fill_ref(ref, config, scope, command.sandbox_id)
+    failed.reason = error
+    failed.phase = command.phase  # type: ignore[assignment]
+    _record(state, ref, state_pb2.SANDBOX_TEARDOWN_FAILED, error, outcome_id)
+    if workflow:
+        fields = {"executionId": execution_id, "error": error}
+        log = LogIntent("error", LOG_WORKFLOW_DEPROVISION_FAILED, fields)
+    else:
+        fields = {"sessionId": command.sandbox_id, "error": error}
+        log = LogIntent("error", LOG_SESSION_DEPROVISION_FAILED, fields)
+    return failed, (log,)

@@ -1,0 +1,99 @@
+"""The composition root: settings → driver, credentials, lane config, processor, pod."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from consumers.lanes.commands import LaneConfig
+from consumers.lanes.constants import (
+    LOG_PROVISIONER_COMPOSED,
+    ROUTING_SESSION,
+    WORKFLOW_ROUTING_EXECUTION,
+    routing_coherence_message,
+)
+from consumers.ops.settings import ConfigError, Settings
+from consumers.runtime.executor import CommandRunner, DriverExecutor
+from consumers.runtime.metrics import PodMetrics
+from consumers.runtime.pod import Pod
+from consumers.runtime.pod_config import PodConfig
+from consumers.runtime.processor import LaneProcessor
+from consumers.runtime.runner_tokens import ExecutionScopedRunnerCredentialProvider, RunnerCredentialProvider
+from drivers.contract import SandboxProvisioner
+from drivers.registry import new_sandbox_provisioner
+
+
+@dataclass
+class Composed:
+    pod: Pod
+    provisioner: SandboxProvisioner | None
+    lane: LaneConfig
+    metrics: PodMetrics
+
+
+def build_provisioner(settings: Settings, logger: logging.Logger) -> SandboxProvisioner | None:
+    provisioner = new_sandbox_provisioner(settings.provisioner_type, settings.driver, logger)
+    if provisioner is None:
+        return None
+    if (
+        settings.agent.activity_routing != ROUTING_SESSION
+        and settings.workflow.workflow_activity_routing != WORKFLOW_ROUTING_EXECUTION
+    ):
+        raise ConfigError(routing_coherence_message(settings.provisioner_type))
+    logger.info(LOG_PROVISIONER_COMPOSED, extra={"type": settings.provisioner_type})
+    return provisioner
+
+
+def pod_config(settings: Settings) -> PodConfig:
+    return PodConfig(
+        bootstrap=settings.bootstrap,
+        group_id=settings.group_id,
+        topics=settings.topics,
+        partitions=settings.partitions,
+        replication=settings.replication,
+        guarantee=settings.guarantee,
+        sequential_produce=settings.sequential_produce,
+        pod_id=settings.pod_id,
+        session_timeout_ms=settings.session_timeout_ms,
+        shutdown_timeout_s=settings.shutdown_timeout_s,
+        driver_concurrency=settings.driver_concurrency,
+        max_batch=settings.max_batch,
+        transaction_timeout_ms=settings.transaction_timeout_ms,
+        create_topics=settings.create_topics,
+    )
+
+
+def compose(
+    settings: Settings,
+    logger: logging.Logger,
+    *,
+    provisioner: SandboxProvisioner | None = None,
+    credentials: RunnerCredentialProvider | None = None,
+) -> Composed:
+    """Build the pod. ``provisioner``/``credentials`` override the configured ones (tests, chaos)."""
+    if provisioner is None:
+        provisioner = build_provisioner(settings, logger)
+    metrics = PodMetrics()
+    creds = credentials or ExecutionScopedRunnerCredentialProvider.from_env(dict(settings.raw))
+    lane = LaneConfig(
+        enabled=provisioner is not None,
+        agent=settings.agent,
+        workflow=settings.workflow,
+        driver_name=provisioner.driver_name if provisioner is not None else "",
+        source=f"sandbox-lanes/{settings.pod_id}",
+    )
+    # The disabled lane emits no commands, so the base runner (which refuses) is never called.
+    runner: CommandRunner = (
+        CommandRunner()
+        if provisioner is None
+        else DriverExecutor(
+            provisioner,
+            creds,
+            logger,
+            ensure_timeout_s=settings.ensure_timeout_s,
+            teardown_timeout_s=settings.teardown_timeout_s,
+            metrics=metrics,
+        )
+    )
+    processor = LaneProcessor(lane, runner, logger)
+    return Composed(Pod(pod_config(settings), processor, metrics), provisioner, lane, metrics)

@@ -1,0 +1,446 @@
+"""Configuration from the environment (12-factor), validated at start-up.
+
+Upstream's variable names are kept where the knob is upstream's
+(``SANDBOX_PROVISIONER_TYPE``, ``STIGMER_*``, ``TEMPORAL_*``); the pod's own
+knobs are ``SANDBOX_LANES_*`` and ``KAFKA_BOOTSTRAP_SERVERS``. An empty value
+counts as unset, as upstream does.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import get_args
+
+from consumers.lanes.constants import (
+    DEFAULT_EXECUTION_TARGET_LOCAL,
+    ROUTING_GLOBAL,
+    ROUTING_SESSION,
+    WORKFLOW_ROUTING_EXECUTION,
+    WORKFLOW_ROUTING_GLOBAL,
+)
+from consumers.lanes.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
+from consumers.ops.config_file import CONFIG_FILE_ENV, ConfigFileError, merge, read_config_file
+from consumers.runtime.sink import Guarantee
+from consumers.runtime.topology import Topics
+from drivers.contract import SANDBOX_DRIVER_OWNED_RUNNER_ENV, DriverConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the variable and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    env: str
+    default: str
+    help: str
+    secret: bool = False
+
+
+#: Every knob, in the order the README's config table lists them.
+SETTINGS: tuple[Setting, ...] = (
+    Setting("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092", "Kafka bootstrap servers"),
+    Setting(
+        "SANDBOX_LANES_GROUP_ID", "sandbox-lanes", "consumer group id (also the transactional id prefix)"
+    ),
+    Setting(
+        "SANDBOX_LANES_POD_ID", "", "this instance's id (default: hostname); part of the transactional id"
+    ),
+    Setting("SANDBOX_LANES_PROCESSING_GUARANTEE", "exactly_once", "exactly_once or at_least_once"),
+    Setting("SANDBOX_LANES_SEQUENTIAL_PRODUCE", "false", "one record per produce request (needed on Tansu)"),
+    Setting("SANDBOX_LANES_PARTITIONS", "3", "partitions of topics the pod creates"),
+    Setting("SANDBOX_LANES_REPLICATION", "1", "replication factor of topics the pod creates"),
+    Setting("SANDBOX_LANES_CREATE_TOPICS", "true", "create missing topics at start-up"),
+    Setting("SANDBOX_LANES_TOPIC_EXECUTION_CREATED", "execution-created", "input: ExecutionCreated"),
+    Setting("SANDBOX_LANES_TOPIC_PHASE_CHANGED", "phase-changed", "input: PhaseChanged"),
+    Setting("SANDBOX_LANES_TOPIC_SESSION_DELETED", "session-deleted", "input: SessionDeleted"),
+    Setting("SANDBOX_LANES_TOPIC_OUTCOMES", "sandbox-outcomes", "output: Sandbox* outcome events"),
+    Setting(
+        "SANDBOX_LANES_TOPIC_STATE", "sandbox-lanes-state", "compacted execution state (key = execution id)"
+    ),
+    Setting("SANDBOX_LANES_TOPIC_DLQ", "sandbox-lanes-dlq", "dead letters (reason in header dlq_reason)"),
+    Setting("SANDBOX_LANES_SESSION_TIMEOUT_MS", "10000", "consumer group session timeout"),
+    Setting("SANDBOX_LANES_SHUTDOWN_TIMEOUT_S", "30", "bound on graceful shutdown after SIGTERM"),
+    Setting("SANDBOX_LANES_ENSURE_TIMEOUT_S", "120", "bound on one driver ensure"),
+    Setting("SANDBOX_LANES_MAX_BATCH", "500", "records fetched per turn at most"),
+    Setting(
+        "SANDBOX_LANES_TRANSACTION_TIMEOUT_MS",
+        "15000",
+        "Kafka transaction timeout (transactions hold decisions and results, never a driver call)",
+    ),
+    Setting(
+        "SANDBOX_LANES_DRIVER_CONCURRENCY",
+        "32",
+        "driver calls running at once across sandboxes (one sandbox's calls run in order)",
+    ),
+    Setting("SANDBOX_LANES_TEARDOWN_TIMEOUT_S", "60", "bound on one driver teardown"),
+    Setting("SANDBOX_LANES_REAP_INTERVAL_S", "300", "seconds between reaper passes in the pod (0 = off)"),
+    Setting(
+        "SANDBOX_LANES_REAP_GRACE_S", "600", "age before a sandbox no execution state references is reaped"
+    ),
+    Setting("SANDBOX_PROVISIONER_TYPE", "", "driver: '' (lane disabled), local-process, docker, kubernetes"),
+    Setting("STIGMER_ACTIVITY_ROUTING", ROUTING_GLOBAL, "agent routing: global or session"),
+    Setting(
+        "STIGMER_DEFAULT_EXECUTION_TARGET",
+        DEFAULT_EXECUTION_TARGET_LOCAL,
+        "UNSPECIFIED session target: local or cloud",
+    ),
+    Setting(
+        "STIGMER_WORKFLOW_ACTIVITY_ROUTING", WORKFLOW_ROUTING_GLOBAL, "workflow routing: global or execution"
+    ),
+    Setting(
+        "STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET",
+        DEFAULT_EXECUTION_TARGET_LOCAL,
+        "UNSPECIFIED workflow target",
+    ),
+    Setting("TEMPORAL_AGENT_EXECUTION_RUNNER_TASK_QUEUE", "stigmer_runner", "agent global runner queue"),
+    Setting(
+        "TEMPORAL_WORKFLOW_EXECUTION_RUNNER_TASK_QUEUE", "stigmer_runner", "workflow global runner queue"
+    ),
+    Setting("STIGMER_SANDBOX_BACKEND_ENDPOINT", "", "server URL as reachable from inside a sandbox"),
+    Setting(
+        "STIGMER_SANDBOX_TEMPORAL_ADDRESS",
+        "",
+        "Temporal host:port from inside a sandbox (→ TEMPORAL_HOST_PORT → localhost:7233)",
+    ),
+    Setting("STIGMER_SANDBOX_RUNNER_IMAGE", "ghcr.io/stigmer/runner:latest", "image for docker/kubernetes"),
+    Setting("STIGMER_SANDBOX_RUNNER_COMMAND", "stigmer-runner", "executable for local-process"),
+    Setting("STIGMER_SANDBOX_K8S_NAMESPACE", "stigmer-sandboxes", "the one shared sandbox namespace"),
+    Setting("STIGMER_SANDBOX_MCP_PUBLIC_ENDPOINT", "", "public MCP address given to runners"),
+    Setting(
+        "STIGMER_SANDBOX_RUNNER_ENV", "", "comma-separated env names passed to runners as plain settings"
+    ),
+    Setting(
+        "STIGMER_SANDBOX_RUNNER_SECRETS", "", "comma-separated env names passed through the secret channel"
+    ),
+    Setting("TEMPORAL_NAMESPACE", "default", "passed to runners as TEMPORAL_NAMESPACE"),
+    Setting(
+        "STIGMER_RUNNER_TOKEN_KEY", "", "base64 32-byte HS256 key; unset = token-less launches", secret=True
+    ),
+    Setting("SANDBOX_LANES_DRIVER_OPTIONS", "", "driver knobs as k=v,k=v (see the driver tables)"),
+    Setting("STIGMER_RUNNER_TOKEN_KEY_FILE", "", "read STIGMER_RUNNER_TOKEN_KEY from this file"),
+    Setting("SANDBOX_LANES_HTTP_HOST", "0.0.0.0", "address of the /metrics, /healthz, /readyz server"),
+    Setting("SANDBOX_LANES_HTTP_PORT", "8080", "port of the HTTP server (0 = no HTTP server)"),
+    Setting(
+        "SANDBOX_LANES_STALL_SECONDS",
+        "30",
+        "the loop is not alive (/healthz 503) after this long without a turn",
+    ),
+    Setting("SANDBOX_LANES_LOG_LEVEL", "info", "debug, info, warning or error (--log-level wins)"),
+    Setting("SANDBOX_LANES_LOG_FORMAT", "auto", "auto (human on a terminal, else JSON), json or human"),
+    Setting("SANDBOX_LANES_CONFIG_FILE", "", "optional YAML or .env file of these variables (env wins)"),
+)
+_BY_NAME = {s.env: s for s in SETTINGS}
+
+
+def _get(env: Mapping[str, str], name: str) -> str:
+    value = env.get(name, "")
+    return value if value != "" else _BY_NAME[name].default
+
+
+def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str:
+    value = _get(env, name)
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is invalid; allowed: {', '.join(allowed)}")
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int = 1) -> int:
+    value = _get(env, name)
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a whole number") from None
+    if number < minimum:
+        raise ConfigError(f"{name}={number} must be at least {minimum}")
+    return number
+
+
+def _float(env: Mapping[str, str], name: str) -> float:
+    value = _get(env, name)
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a number") from None
+    if number <= 0:
+        raise ConfigError(f"{name}={number} must be positive")
+    return number
+
+
+def _bool(env: Mapping[str, str], name: str) -> bool:
+    value = _get(env, name).lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={value!r} is invalid; allowed: true, false")
+
+
+def _name_list(env: Mapping[str, str], name: str) -> list[str]:
+    return [n.strip() for n in _get(env, name).split(",") if n.strip()]
+
+
+def _options(env: Mapping[str, str]) -> dict[str, str]:
+    options: dict[str, str] = {}
+    for item in _name_list(env, "SANDBOX_LANES_DRIVER_OPTIONS"):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"SANDBOX_LANES_DRIVER_OPTIONS item {item!r} is not key=value")
+        options[key.strip()] = value.strip()
+    return options
+
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+_LOG_FORMATS = ("auto", "json", "human")
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_SECRET_OPTION = re.compile(r"token|password|secret|credential", re.IGNORECASE)
+
+
+def _port(env: Mapping[str, str], name: str) -> int:
+    value = _get(env, name)
+    if not value.isdigit() or not 0 <= int(value) <= 65535:
+        raise ConfigError(f"{name}={value!r} is invalid; allowed: a port number 0-65535 (0 = off)")
+    return int(value)
+
+
+def _log_level(env: Mapping[str, str]) -> str:
+    value = _get(env, "SANDBOX_LANES_LOG_LEVEL").lower()
+    if value not in _LOG_LEVELS:
+        raise ConfigError(f"SANDBOX_LANES_LOG_LEVEL={value!r} is invalid; allowed: {', '.join(_LOG_LEVELS)}")
+    return value
+
+
+def _bootstrap(env: Mapping[str, str]) -> str:
+    value = _get(env, "KAFKA_BOOTSTRAP_SERVERS")
+    for item in value.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ConfigError(
+                f"KAFKA_BOOTSTRAP_SERVERS={value!r} is invalid; allowed: comma-separated host:port "
+                f"(port 1-65535), e.g. 127.0.0.1:9092"
+            )
+    return value
+
+
+def _topics(env: Mapping[str, str]) -> Topics:
+    names = {
+        "SANDBOX_LANES_TOPIC_EXECUTION_CREATED": "execution_created",
+        "SANDBOX_LANES_TOPIC_PHASE_CHANGED": "phase_changed",
+        "SANDBOX_LANES_TOPIC_SESSION_DELETED": "session_deleted",
+        "SANDBOX_LANES_TOPIC_OUTCOMES": "outcomes",
+        "SANDBOX_LANES_TOPIC_STATE": "state",
+        "SANDBOX_LANES_TOPIC_DLQ": "dead_letter",
+    }
+    values: dict[str, str] = {}
+    for var in names:
+        topic = _get(env, var)
+        if not _TOPIC.match(topic) or topic in (".", ".."):
+            raise ConfigError(
+                f"{var}={topic!r} is invalid; allowed: a Kafka topic name of 1-249 characters from "
+                f"a-z A-Z 0-9 . _ -"
+            )
+        clash = next((other for other, t in values.items() if t == topic), None)
+        if clash is not None:
+            raise ConfigError(
+                f"{var}={topic!r} is invalid: the same topic as {clash}; every topic must differ"
+            )
+        values[var] = topic
+    return Topics(**{names[var]: topic for var, topic in values.items()})
+
+
+def _provisioner_type(env: Mapping[str, str]) -> str:
+    from drivers.registry import known_types
+
+    value = _get(env, "SANDBOX_PROVISIONER_TYPE")
+    known = known_types()
+    if value and value not in known:
+        listed = ", ".join(f"'{n}'" for n in known)
+        raise ConfigError(
+            f"SANDBOX_PROVISIONER_TYPE={value!r} is invalid: unknown sandbox provisioner type '{value}' "
+            f"— known types: {listed} (or empty: lane disabled)"
+        )
+    return value
+
+
+def _check_token_key(env: Mapping[str, str]) -> None:
+    name, raw = "STIGMER_RUNNER_TOKEN_KEY", _get(env, "STIGMER_RUNNER_TOKEN_KEY")
+    path = _get(env, "STIGMER_RUNNER_TOKEN_KEY_FILE")
+    if not raw and path:
+        name = "STIGMER_RUNNER_TOKEN_KEY_FILE"
+        try:
+            raw = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"STIGMER_RUNNER_TOKEN_KEY_FILE={path!r} cannot be read: {exc.strerror}"
+            ) from None
+    if not raw:
+        return
+    try:
+        key = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{name} is invalid; allowed: base64 of a 32-byte key (not valid base64)") from None
+    if len(key) != 32:
+        raise ConfigError(
+            f"{name} is invalid; allowed: base64 of a 32-byte key (it decodes to {len(key)} bytes)"
+        )
+
+
+def _target_warnings(env: Mapping[str, str]) -> list[str]:
+    warnings = []
+    for name in ("STIGMER_DEFAULT_EXECUTION_TARGET", "STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET"):
+        value = _get(env, name)
+        if value not in ("local", "cloud"):
+            warnings.append(
+                f"{name}={value!r} is neither 'local' nor 'cloud'; as upstream, anything but exactly "
+                f"'cloud' means local"
+            )
+    return warnings
+
+
+@dataclass(frozen=True)
+class Settings:
+    bootstrap: str
+    group_id: str
+    pod_id: str
+    guarantee: Guarantee
+    sequential_produce: bool
+    partitions: int
+    replication: int
+    create_topics: bool
+    topics: Topics
+    session_timeout_ms: int
+    shutdown_timeout_s: float
+    driver_concurrency: int
+    max_batch: int
+    transaction_timeout_ms: int
+    ensure_timeout_s: float
+    teardown_timeout_s: float
+    provisioner_type: str
+    agent: AgentExecutionTemporalConfig
+    workflow: WorkflowExecutionTemporalConfig
+    driver: DriverConfig
+    raw: Mapping[str, str] = field(repr=False, default_factory=dict)
+    http_host: str = "0.0.0.0"
+    http_port: int = 8080
+    stall_seconds: float = 30.0
+    log_level: str = "info"
+    log_format: str = "auto"
+    config_file: str = ""
+    #: Accepted but suspicious values (logged at start-up, printed by ``config show``).
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def secret_values(self) -> list[str]:
+        """Values the logs must never show: the signing key and the runner secrets."""
+        values = [self.raw.get("STIGMER_RUNNER_TOKEN_KEY", ""), *self.driver.runner_secret_env.values()]
+        return [v for v in values if v]
+
+    def effective(self) -> dict[str, str]:
+        """Every knob's effective value, secrets masked (``config show``)."""
+        shown: dict[str, str] = {}
+        for setting in SETTINGS:
+            value = _get(self.raw, setting.env)
+            if setting.env == "SANDBOX_LANES_POD_ID":
+                value = self.pod_id
+            if setting.env == "SANDBOX_LANES_DRIVER_OPTIONS" and value:
+                value = ",".join(
+                    f"{k}=****" if _SECRET_OPTION.search(k) and v else f"{k}={v}"
+                    for k, v in self.driver.options.items()
+                )
+            shown[setting.env] = "****" if setting.secret and value else value
+        return shown
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    env = dict(os.environ if environ is None else environ)
+    config_file = env.get(CONFIG_FILE_ENV, "")
+    if config_file:
+        try:
+            env = merge(read_config_file(Path(config_file), _BY_NAME), env)
+        except ConfigFileError as exc:
+            raise ConfigError(str(exc)) from None
+    _check_token_key(env)
+    guarantee = _choice(env, "SANDBOX_LANES_PROCESSING_GUARANTEE", get_args(Guarantee))
+    agent = AgentExecutionTemporalConfig(
+        runner_queue=_get(env, "TEMPORAL_AGENT_EXECUTION_RUNNER_TASK_QUEUE"),
+        activity_routing=_choice(env, "STIGMER_ACTIVITY_ROUTING", (ROUTING_GLOBAL, ROUTING_SESSION)),
+        default_execution_target=_get(env, "STIGMER_DEFAULT_EXECUTION_TARGET"),
+    )
+    workflow = WorkflowExecutionTemporalConfig(
+        runner_queue=_get(env, "TEMPORAL_WORKFLOW_EXECUTION_RUNNER_TASK_QUEUE"),
+        workflow_activity_routing=_choice(
+            env, "STIGMER_WORKFLOW_ACTIVITY_ROUTING", (WORKFLOW_ROUTING_GLOBAL, WORKFLOW_ROUTING_EXECUTION)
+        ),
+        default_execution_target=_get(env, "STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET"),
+    )
+    runner_env_names = _name_list(env, "STIGMER_SANDBOX_RUNNER_ENV")
+    secret_names = _name_list(env, "STIGMER_SANDBOX_RUNNER_SECRETS")
+    for var, listed in [
+        *(("STIGMER_SANDBOX_RUNNER_ENV", n) for n in runner_env_names),
+        *(("STIGMER_SANDBOX_RUNNER_SECRETS", n) for n in secret_names),
+    ]:
+        if listed in SANDBOX_DRIVER_OWNED_RUNNER_ENV:
+            raise ConfigError(
+                f"{var}: runner env name '{listed}' is set by the driver itself and may not be listed"
+            )
+        if listed not in env:
+            raise ConfigError(
+                f"{var}: runner env name '{listed}' is listed but has no value in the environment"
+            )
+    both = sorted(set(runner_env_names) & set(secret_names))
+    if both:
+        raise ConfigError(
+            f"STIGMER_SANDBOX_RUNNER_ENV and STIGMER_SANDBOX_RUNNER_SECRETS: runner env names on both "
+            f"lists: {', '.join(both)}"
+        )
+    driver = DriverConfig(
+        backend_endpoint=_get(env, "STIGMER_SANDBOX_BACKEND_ENDPOINT"),
+        temporal_address=env.get("STIGMER_SANDBOX_TEMPORAL_ADDRESS")
+        or env.get("TEMPORAL_HOST_PORT")
+        or "localhost:7233",
+        runner_image=_get(env, "STIGMER_SANDBOX_RUNNER_IMAGE"),
+        runner_command=_get(env, "STIGMER_SANDBOX_RUNNER_COMMAND"),
+        kubernetes_namespace=_get(env, "STIGMER_SANDBOX_K8S_NAMESPACE"),
+        mcp_public_endpoint=_get(env, "STIGMER_SANDBOX_MCP_PUBLIC_ENDPOINT"),
+        temporal_namespace=_get(env, "TEMPORAL_NAMESPACE"),
+        runner_env={n: env[n] for n in runner_env_names},
+        runner_secret_env={n: env[n] for n in secret_names},
+        options=_options(env),
+    )
+    return Settings(
+        bootstrap=_bootstrap(env),
+        group_id=_get(env, "SANDBOX_LANES_GROUP_ID"),
+        pod_id=_get(env, "SANDBOX_LANES_POD_ID") or socket.gethostname(),
+        guarantee=guarantee,  # type: ignore[arg-type]
+        sequential_produce=_bool(env, "SANDBOX_LANES_SEQUENTIAL_PRODUCE"),
+        partitions=_int(env, "SANDBOX_LANES_PARTITIONS"),
+        replication=_int(env, "SANDBOX_LANES_REPLICATION"),
+        create_topics=_bool(env, "SANDBOX_LANES_CREATE_TOPICS"),
+        topics=_topics(env),
+        session_timeout_ms=_int(env, "SANDBOX_LANES_SESSION_TIMEOUT_MS", 1000),
+        shutdown_timeout_s=_float(env, "SANDBOX_LANES_SHUTDOWN_TIMEOUT_S"),
+        driver_concurrency=_int(env, "SANDBOX_LANES_DRIVER_CONCURRENCY", 1),
+        max_batch=_int(env, "SANDBOX_LANES_MAX_BATCH", 1),
+        transaction_timeout_ms=_int(env, "SANDBOX_LANES_TRANSACTION_TIMEOUT_MS", 1000),
+        ensure_timeout_s=_float(env, "SANDBOX_LANES_ENSURE_TIMEOUT_S"),
+        teardown_timeout_s=_float(env, "SANDBOX_LANES_TEARDOWN_TIMEOUT_S"),
+        provisioner_type=_provisioner_type(env),
+        agent=agent,
+        workflow=workflow,
+        driver=driver,
+        raw=env,
+        http_host=_get(env, "SANDBOX_LANES_HTTP_HOST"),
+        http_port=_port(env, "SANDBOX_LANES_HTTP_PORT"),
+        stall_seconds=_float(env, "SANDBOX_LANES_STALL_SECONDS"),
+        log_level=_log_level(env),
+        log_format=_choice(env, "SANDBOX_LANES_LOG_FORMAT", _LOG_FORMATS),
+        config_file=config_file,
+        warnings=tuple(_target_warnings(env)),
+    )

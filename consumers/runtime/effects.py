@@ -1,0 +1,182 @@
+"""Driver calls off the transaction: concurrent across sandboxes, in order within one.
+
+The pod commits a decision (its outbox entries included) first and only then hands
+the entries here. Each call runs in its own task, bounded by a semaphore (the
+driver concurrency), and calls for one sandbox (scope + id) run one after the
+other in submission order: a terminal teardown submitted while its ensure is in
+flight waits for the ensure. Results are collected as :class:`Completion` values
+for the pod to fold back in a later, short transaction.
+
+Ownership: every call carries the partition's ownership epoch. When a partition
+is revoked its queued calls are dropped (the next owner re-runs them from the
+state's outbox) and the results of calls already running are discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import NamedTuple
+
+from consumers.lanes.commands import Command, CommandResult
+
+logger = logging.getLogger("sandbox_lanes.effects")
+
+Run = Callable[[Command], Awaitable[CommandResult]]
+
+
+class Completion(NamedTuple):
+    partition: int
+    key: str
+    """The state key (execution id, or session id for a session delete)."""
+    effect_id: str
+    command: Command
+    result: CommandResult
+    started: float
+    finished: float
+
+
+class _Call(NamedTuple):
+    partition: int
+    epoch: int
+    key: str
+    effect_id: str
+    command: Command
+
+
+class EffectRunner:
+    def __init__(self, run: Run, concurrency: int) -> None:
+        if concurrency < 1:
+            raise ValueError(f"driver concurrency must be at least 1, got {concurrency}")
+        self._run = run
+        self._slots = asyncio.Semaphore(concurrency)
+        self.concurrency = concurrency
+        #: Per sandbox: the calls waiting behind the one running (a chain exists while it has work).
+        self._chains: dict[tuple[str, str], list[_Call]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: Effect id -> the call submitted and not yet completed or dropped. A resubmission is
+        #: ignored while that call belongs to the partition's current epoch; a call of an old
+        #: epoch (still running after its partition was disowned) does not block a new one.
+        self._taken: dict[str, _Call] = {}
+        self._epochs: dict[int, int] = {}
+        self._done: list[Completion] = []
+        self.ready = asyncio.Event()
+        """Set when completions are waiting to be taken."""
+
+    # --- ownership ----------------------------------------------------------------------------
+
+    def own(self, partitions: Iterable[int]) -> None:
+        """The pod (again) owns these partitions: a new epoch, so results of an old one are void."""
+        for p in partitions:
+            self._epochs[p] = self._epochs.get(p, 0) + 1
+
+    def disown(self, partitions: Iterable[int]) -> None:
+        """Revoked or fenced: queued calls are dropped, results of running ones discarded."""
+        gone = set(partitions)
+        for p in gone:
+            self._epochs[p] = self._epochs.get(p, 0) + 1
+        for chain in self._chains.values():
+            # The head (index 0) is running: it is kept so the chain stays ordered behind it.
+            kept = [chain[0]] + [c for c in chain[1:] if c.partition not in gone]
+            for call in chain[1:]:
+                if call.partition in gone:
+                    self._forget(call)
+            chain[:] = kept
+        dropped = [c for c in self._done if c.partition in gone]
+        self._done = [c for c in self._done if c.partition not in gone]
+        for completion in dropped:
+            self._taken.pop(completion.effect_id, None)
+
+    def epoch(self, partition: int) -> int:
+        """The partition's ownership epoch (changes on every own/disown)."""
+        return self._epochs.get(partition, 0)
+
+    def _current(self, call: _Call) -> bool:
+        return self._epochs.get(call.partition, 0) == call.epoch
+
+    def _forget(self, call: _Call) -> None:
+        if self._taken.get(call.effect_id) is call:
+            del self._taken[call.effect_id]
+
+    # --- work ---------------------------------------------------------------------------------
+
+    def submit(self, partition: int, key: str, effect_id: str, command: Command) -> bool:
+        """Queue one call; False when the same effect id is already queued or running.
+
+        A call of an old epoch with the same id (its partition was disowned while it ran) does
+        not count: the new call queues behind it on the sandbox's chain, so the outbox's order
+        holds — a teardown never overtakes the ensure it follows.
+        """
+        previous = self._taken.get(effect_id)
+        if previous is not None and self._current(previous):
+            return False
+        call = _Call(partition, self._epochs.get(partition, 0), key, effect_id, command)
+        self._taken[effect_id] = call
+        sandbox = (command.scope, command.sandbox_id)
+        chain = self._chains.get(sandbox)
+        if chain is not None:
+            chain.append(call)
+            return True
+        self._chains[sandbox] = [call]
+        task = asyncio.get_running_loop().create_task(self._drive(sandbox))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    @property
+    def outstanding(self) -> int:
+        """Calls queued or running, plus results not yet taken."""
+        return len(self._taken)
+
+    def take(self) -> list[Completion]:
+        """The results so far, in completion order; the caller folds them back."""
+        done, self._done = self._done, []
+        self.ready.clear()
+        for completion in done:
+            self._taken.pop(completion.effect_id, None)
+        return done
+
+    async def _drive(self, sandbox: tuple[str, str]) -> None:
+        loop = asyncio.get_running_loop()
+        chain = self._chains[sandbox]
+        try:
+            while chain:
+                call = chain[0]
+                if self._current(call):
+                    async with self._slots:
+                        started = loop.time()
+                        result = await self._run(call.command)
+                    finished = loop.time()
+                    if self._current(call):
+                        done = Completion(
+                            call.partition, call.key, call.effect_id, call.command, result, started, finished
+                        )
+                        self._done.append(done)
+                        self.ready.set()
+                    else:
+                        self._forget(call)
+                else:
+                    self._forget(call)
+                chain.pop(0)
+        except Exception:  # the run callable turns failures into results; this is a bug guard
+            logger.exception("effect chain failed", extra={"sandbox": "/".join(sandbox)})
+            for call in chain:
+                self._forget(call)
+            chain.clear()
+        finally:
+            del self._chains[sandbox]
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no call is queued or running (shutdown); True when idle in time."""
+        if not self._tasks:
+            return True
+        _, late = await asyncio.wait(set(self._tasks), timeout=timeout_s)
+        return not late
+
+    async def cancel(self) -> None:
+        """Cancel whatever still runs (past the shutdown bound): the next owner re-runs it."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=5.0)

@@ -1,0 +1,156 @@
+"""Prometheus metrics of the pod. One :class:`PodMetrics` per pod, on its own registry.
+
+Label values are bounded vocabularies (event types, lanes, outcomes, driver
+names, topic/partition) — never ids, never anything a producer controls freely.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from consumers.lanes.commands import Decision, Deprovision, Ensure, Outcome
+from events.codec import OutcomeEvent
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class PodMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.events_consumed = Counter(
+            "sandbox_lanes_events_consumed", "Input events consumed, by event type", ["type"], registry=r
+        )
+        self.decisions = Counter(
+            "sandbox_lanes_decisions", "Lane decisions, by lane and outcome", ["lane", "outcome"], registry=r
+        )
+        self.outputs = Counter(
+            "sandbox_lanes_outputs", "Outcome events written, by type", ["type"], registry=r
+        )
+        self.driver_seconds = Histogram(
+            "sandbox_lanes_driver_seconds",
+            "Driver call latency (provisioning = ensure, teardown = deprovision), by driver",
+            ["driver", "operation", "result"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.dead_letters = Counter(
+            "sandbox_lanes_dead_letters", "Records sent to the dead-letter topic", registry=r
+        )
+        self.duplicates = Counter("sandbox_lanes_duplicates", "Redelivered inputs ignored", registry=r)
+        self.consumer_lag = Gauge(
+            "sandbox_lanes_consumer_lag",
+            "Records behind the high watermark",
+            ["topic", "partition"],
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "sandbox_lanes_batch_seconds",
+            "Time to process and commit one batch",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.commit_failures = Counter(
+            "sandbox_lanes_commit_failures", "Batches rewound after a failure", registry=r
+        )
+        self.state_keys = Gauge(
+            "sandbox_lanes_state_store_keys", "Executions held in the state store", registry=r
+        )
+        self.restore_seconds = Gauge(
+            "sandbox_lanes_state_restore_seconds", "Duration of the last state restore", registry=r
+        )
+        self.restored_keys = Counter(
+            "sandbox_lanes_state_restored_keys", "Keys restored from the state topic", registry=r
+        )
+        self.reaped = Counter(
+            "sandbox_lanes_reaped_sandboxes", "Sandboxes removed by the reaper", ["driver"], registry=r
+        )
+        self.effects_outstanding = Gauge(
+            "sandbox_lanes_effects_outstanding",
+            "Driver calls decided and not yet folded back (queued, running or awaiting their commit)",
+            registry=r,
+        )
+        self.time_to_sandbox = Histogram(
+            "sandbox_lanes_time_to_sandbox_seconds",
+            "From the input event's commit of its decision to the commit of its outcome, by operation",
+            ["operation"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.leaked = Counter(
+            "sandbox_lanes_leaked_sandboxes",
+            "Teardowns that failed (the sandbox may be leaked)",
+            ["driver"],
+            registry=r,
+        )
+
+        # ``.labels(...)`` takes a lock and validates per call; the label sets here are bounded
+        # vocabularies, so the children are looked up once and kept (the registry keeps them too).
+        self._decision_children: dict[tuple[str, str], Counter] = {}
+        self._driver_children: dict[tuple[str, str, str], Histogram] = {}
+        self._consumed_children: dict[str, Counter] = {}
+
+    def _decision(self, lane: str, outcome: str) -> Counter:
+        child = self._decision_children.get((lane, outcome))
+        if child is None:
+            child = self._decision_children[(lane, outcome)] = self.decisions.labels(lane, outcome)
+        return child
+
+    def consumed(self, event_type: str) -> Counter:
+        """``events_consumed.labels(event_type)``, cached (it is counted once per record)."""
+        child = self._consumed_children.get(event_type)
+        if child is None:
+            child = self._consumed_children[event_type] = self.events_consumed.labels(event_type)
+        return child
+
+    def driver_observer(self, driver: str, operation: str, result: str) -> Histogram:
+        """``driver_seconds.labels(driver, operation, result)``, cached."""
+        key = (driver, operation, result)
+        child = self._driver_children.get(key)
+        if child is None:
+            child = self._driver_children[key] = self.driver_seconds.labels(driver, operation, result)
+        return child
+
+    def record_decision(self, decision: Decision, outcome: Outcome | None, driver: str) -> None:
+        if decision.reject is not None:
+            self._decision(_lane_of_event(decision), "rejected").inc()
+            return
+        if decision.duplicate:
+            self._decision(_lane_of_event(decision), "duplicate").inc()
+            return
+        if not decision.commands:
+            self._decision(_lane_of_event(decision), "skipped").inc()
+            return
+        for command, output in zip(decision.commands, outcome.outputs if outcome else (), strict=False):
+            self.record_outcome(command, output, driver)
+
+    def record_outcome(self, command: Ensure | Deprovision, output: OutcomeEvent, driver: str) -> None:
+        """A driver call's outcome (the pod counts it when it folds the call's result back)."""
+        kind = output.DESCRIPTOR.name  # == type_name(output).rsplit(".", 1)[-1]
+        self._decision(lane_of_command(command), OUTCOME_WORDS.get(kind, kind)).inc()
+        if kind == "SandboxTeardownFailed":
+            self.leaked.labels(driver).inc()
+
+
+OUTCOME_WORDS = {
+    "SandboxProvisioned": "provisioned",
+    "SandboxFailed": "failed",
+    "SandboxDeprovisioned": "deprovisioned",
+    "SandboxTeardownFailed": "teardown_failed",
+}
+
+
+def lane_of_command(command: Ensure | Deprovision) -> str:
+    if isinstance(command, Ensure):
+        return command.scope
+    return "terminal" if command.scope == "workflow" else "session_delete"
+
+
+def _lane_of_event(decision: Decision) -> str:
+    event = decision.event
+    if isinstance(event, inputs_pb2.ExecutionCreated):
+        return "workflow" if event.kind == common_pb2.WORKFLOW_EXECUTION else "session"
+    if isinstance(event, inputs_pb2.PhaseChanged):
+        return "terminal"
+    return "session_delete"

@@ -1,0 +1,181 @@
+"""What one partition's transaction holds: driver results folded back, then the records decided.
+
+Writes are staged in an overlay and reach the state store only once the pod has committed the
+transaction, so an aborted or failed one leaves memory equal to the topic. The transaction is
+filled here and committed (or failed) by :class:`consumers.runtime.pod.Pod`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+
+from consumers.lanes.commands import Command, Outcome, StateView
+from consumers.lanes.outbox import new_effects
+from consumers.runtime.create_order import CreateOrderGate
+from consumers.runtime.dead_letters import dead_letter_record
+from consumers.runtime.effects import Completion
+from consumers.runtime.metrics import PodMetrics
+from consumers.runtime.pod_config import PodConfig, PodStats
+from consumers.runtime.processor import LaneProcessor
+from consumers.runtime.sink import BatchSink
+from consumers.runtime.state_store import StateStore
+from events.codec import TYPE_PREFIX, DecodeError, decode_input, encode, record_key, type_name
+from events.sandbox_lanes.v1 import inputs_pb2, state_pb2
+
+logger = logging.getLogger("sandbox_lanes.pod")
+
+Records = list[ConsumerRecord[bytes, bytes]]
+
+
+class PartitionTransaction:
+    """One partition's transaction in the making: the overlay, the offsets, what to do once committed."""
+
+    def __init__(
+        self,
+        partition: int,
+        sink: BatchSink,
+        *,
+        config: PodConfig,
+        processor: LaneProcessor,
+        store: StateStore,
+        stats: PodStats,
+        metrics: PodMetrics,
+        gate: CreateOrderGate,
+        consumer: AIOKafkaConsumer,
+        stopping: asyncio.Event,
+        touch: Callable[[], None],
+    ) -> None:
+        self.partition = partition
+        self.sink = sink
+        self.config = config
+        self.processor = processor
+        self.store = store
+        self.stats = stats
+        self.metrics = metrics
+        self.gate = gate
+        self.consumer = consumer
+        self.stopping = stopping
+        #: Marks the pod's loop alive (a long batch is progress too).
+        self.touch = touch
+        self.overlay: dict[str, state_pb2.ExecutionState] = {}
+        #: Next offset per input partition, committed with the transaction.
+        self.offsets: dict[TopicPartition, int] = {}
+        self.counted: Counter[str] = Counter()
+        #: Where each input partition resumes next turn (a record held back, or not reached).
+        self.held: dict[TopicPartition, int] = {}
+        #: Outbox entries this transaction added: submitted to the effect runner once committed.
+        self.decided: list[tuple[str, str, Command]] = []
+        #: Results folded back, with their outcome: metered once committed.
+        self.folded: list[tuple[Completion, Outcome]] = []
+
+    async def fold(self, completion: Completion) -> None:
+        """One driver result back into its execution's state: the outcome event, the entry removed."""
+        key = completion.key
+        state = self.overlay.get(key)
+        if state is None:
+            state = self.store.get(self.partition, key)
+        if state is None:
+            return
+        outcome = self.processor.complete(state, completion.effect_id, completion.command, completion.result)
+        if outcome.state is None:
+            return  # not pending any more: completed before (this pod, or the previous owner)
+        for output in outcome.outputs:
+            await self.sink.send(
+                self.config.topics.outcomes, encode(output, source=self.processor.config.source)
+            )
+            self.counted[type_name(output)] += 1
+        await self.sink.send(self.config.topics.state, encode(outcome.state), partition=self.partition)
+        self.overlay[key] = outcome.state
+        self.folded.append((completion, outcome))
+
+    async def decide(self, batch: Mapping[TopicPartition, Records]) -> None:
+        """Decide the fetched records; stopping ends early and hands the rest back (not committed)."""
+        created_topic = self.config.topics.execution_created
+        # The inputs are separate topics: merge the partitions by record time (creates first
+        # on a tie), each partition's own order kept, so a create is applied before the phase
+        # changes produced after it even when one fetch returned both.
+        merged = heapq.merge(
+            *(
+                [((rec.timestamp, tp.topic != created_topic), i, tp, rec) for rec in recs]
+                for i, (tp, recs) in enumerate(batch.items())
+            ),
+            key=lambda item: (item[0], item[1]),
+        )
+        for _, _, tp, rec in merged:
+            if self.stopping.is_set():
+                break
+            if tp in self.held:
+                continue
+            if await self._record(rec):
+                self.held[tp] = rec.offset  # deferred: this partition resumes here next turn
+                continue
+            self.offsets[tp] = rec.offset + 1
+            if tp.topic == created_topic:
+                self.gate.applied(self.partition, rec.offset, rec.timestamp)
+        for tp, records in batch.items():
+            if tp not in self.offsets and tp not in self.held:
+                self.held[tp] = records[0].offset  # not reached (stopping): handed back
+
+    async def _record(self, rec: ConsumerRecord[bytes, bytes]) -> bool:
+        """Decide one record; True = deferred (not applied, the partition resumes at it later)."""
+        self.touch()
+        try:
+            event = decode_input(rec.key, rec.value, rec.headers)
+        except DecodeError as exc:
+            await self._dead_letter(rec, exc.reason)
+            return False
+        key = record_key(event)
+        stored = self.overlay.get(key)
+        if stored is None:
+            stored = self.store.get(rec.partition, key)
+        try:
+            decision = self.processor.decide(event, StateView(stored))
+        except Exception as exc:  # a bug in the rules must not stop the pod: park the record
+            logger.exception("record processing raised", extra={"executionId": key})
+            await self._dead_letter(rec, f"internal error: {exc!r}")
+            return False
+        if (
+            decision.reject is not None
+            and isinstance(event, inputs_pb2.PhaseChanged)
+            and (stored is None or not stored.created)
+            and await self.gate.may_follow(self.consumer, rec)
+        ):
+            return True  # its create may still be ahead on the execution-created topic
+        self.gate.settled(rec)
+        # Counted once it is applied or dead-lettered, not on every look while it is held back.
+        event_type = event.DESCRIPTOR.name
+        self.stats.consumed[TYPE_PREFIX + event_type] += 1
+        self.metrics.consumed(event_type).inc()
+        self.metrics.record_decision(decision, None, self.processor.config.driver_name)
+        if decision.reject is not None:
+            await self._dead_letter(rec, decision.reject)
+            return False
+        if decision.duplicate:
+            self.stats.duplicates += 1
+            self.metrics.duplicates.inc()
+            logger.info("duplicate input ignored", extra={"executionId": key, "eventId": event.meta.event_id})
+            return False
+        if decision.state is None:
+            return False
+        await self.sink.send(self.config.topics.state, encode(decision.state), partition=rec.partition)
+        self.overlay[key] = decision.state
+        for effect_id, command in new_effects(decision):
+            self.decided.append((key, effect_id, command))
+        return False
+
+    async def _dead_letter(self, rec: ConsumerRecord[bytes, bytes], reason: str) -> None:
+        self.stats.dead_lettered += 1
+        self.metrics.dead_letters.inc()
+        logger.warning(
+            "record dead-lettered",
+            extra={"topic": rec.topic, "partition": rec.partition, "offset": rec.offset, "reason": reason},
+        )
+        await self.sink.send(
+            self.config.topics.dead_letter, dead_letter_record(rec, reason, self.config.pod_id)
+        )

@@ -1,0 +1,599 @@
+"""The stream runtime: consume inputs, decide, run the driver calls off the transaction, fold back.
+
+One turn of the loop takes a fetch and the driver results finished so far, and
+per partition number (partition N of every input topic and of the state topic)
+commits one short transaction: the results folded back (outcome events, outbox
+entries removed) and the records decided (state with new outbox entries, dead
+letters, offsets). No transaction waits on a driver: the calls a committed
+decision added are handed to :class:`consumers.runtime.effects.EffectRunner` only after
+the commit, and their results come back in a later turn. Records are processed in
+partition order (key = execution id, so per-execution order holds). Writes are
+staged in an overlay and folded into the state store only once committed, so an
+aborted or failed transaction leaves memory equal to the topic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import ProducerFenced
+
+from consumers.lanes.commands import Command, CommandResult, Ensure
+from consumers.lanes.outbox import pending_of
+from consumers.runtime.clients import group_consumer_for, producer_options_for
+from consumers.runtime.create_order import CreateOrderGate
+from consumers.runtime.effects import Completion, EffectRunner
+from consumers.runtime.metrics import PodMetrics
+from consumers.runtime.partition_txn import PartitionTransaction
+from consumers.runtime.pod_config import Health, PodConfig, PodStats, assess_health
+from consumers.runtime.processor import LaneProcessor
+from consumers.runtime.sink import BatchSink, PartitionSinks
+from consumers.runtime.state_store import StateStore
+from consumers.runtime.topology import ensure_topics
+
+logger = logging.getLogger("sandbox_lanes.pod")
+
+#: Part of the shutdown bound kept for closing the consumer and producer.
+_CLOSE_RESERVE_S = 5.0
+_Records = list[ConsumerRecord[bytes, bytes]]
+
+
+class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
+    def __init__(self, pod: Pod) -> None:
+        self._pod = pod
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._pod.release({tp.partition for tp in revoked})
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._pod.assigned(assigned)
+
+
+class Pod:
+    def __init__(
+        self, config: PodConfig, processor: LaneProcessor, metrics: PodMetrics | None = None
+    ) -> None:
+        self.config = config
+        self.processor = processor
+        self.metrics = metrics or PodMetrics()
+        self.store = StateStore(config.topics.state)
+        self.stats = PodStats()
+        self._last_loop = time.monotonic()
+        self._restoring = False
+        self._running = False
+        self.batch_lock = asyncio.Lock()
+        self._restore_lock = asyncio.Lock()
+        self.ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._stop_requested_at: float | None = None
+        #: Tasks tied to the pod's life (the periodic reaper): awaited within the shutdown bound on stop.
+        self.background: list[asyncio.Task[None]] = []
+        self._consumer: AIOKafkaConsumer | None = None
+        self._sinks: PartitionSinks | None = None
+        self.effects = EffectRunner(self._run_effect, config.driver_concurrency)
+        #: Results whose fold-back transaction failed: folded again next turn.
+        self._retry: list[Completion] = []
+        #: Partitions whose writer was fenced: nothing of theirs runs until the group reassigns them.
+        self._fenced: set[int] = set()
+        #: Partitions taken over (previous writer fenced, committed offset sought, new epoch).
+        #: aiokafka hands out a new assignment's records before its assignment callback ends, so
+        #: records, restores and driver calls wait for this, not for ``consumer.assignment()``.
+        self._owned: set[int] = set()
+        #: Where :meth:`take_over` sought each partition: records fetched before that seek differ.
+        self._sought: dict[TopicPartition, int] = {}
+        #: Set when a take-over failed: the loop re-subscribes, which rejoins the group.
+        self._rejoin = False
+        #: Take-overs in flight (at most one: a rebalance first releases, which cancels it).
+        self._taking_over: set[asyncio.Task[None]] = set()
+        #: When each outbox entry was decided (monotonic), for the time-to-sandbox histogram.
+        self._decided_at: dict[str, float] = {}
+        self._throttled = False
+        self._create_gate = CreateOrderGate(config.topics.execution_created)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def consumer(self) -> AIOKafkaConsumer | None:
+        """The group consumer while the pod runs (for lag gauges and diagnostics)."""
+        return self._consumer
+
+    def request_stop(self) -> None:
+        """SIGTERM: stop taking new records; the record in flight is finished, the batch so far committed."""
+        if self._stop_requested_at is None:
+            self._stop_requested_at = time.monotonic()
+        self._stop.set()
+
+    @property
+    def stopping(self) -> asyncio.Event:
+        """Set once a stop was requested (read-only use: background tasks wait on it)."""
+        return self._stop
+
+    async def start(self) -> None:
+        cfg = self.config
+        # Drivers call blocking SDKs (docker, kubernetes) through asyncio.to_thread: the default
+        # executor (cores + 4 threads) would cap the driver concurrency at 6 on a 2-core node.
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=cfg.driver_concurrency + 4, thread_name_prefix="sandbox-lanes-io")
+        )
+        if cfg.create_topics:
+            admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap)
+            await admin.start()
+            try:
+                await ensure_topics(admin, cfg.topics, cfg.partitions, cfg.replication)
+            finally:
+                await admin.close()
+        producer_options = producer_options_for(cfg)
+        self._consumer = group_consumer_for(cfg)
+        await self._consumer.start()
+        self._sinks = PartitionSinks(
+            self._consumer, cfg.group_id, cfg.guarantee, producer_options, sequential=cfg.sequential_produce
+        )
+        await self._sinks.start()
+        self._subscribe()
+        logger.info(
+            "pod started",
+            extra={"podId": cfg.pod_id, "guarantee": cfg.guarantee, "groupId": cfg.group_id},
+        )
+
+    def _subscribe(self) -> None:
+        assert self._consumer is not None
+        self._consumer.subscribe(list(self.config.topics.inputs), listener=_Rebalance(self))
+
+    async def stop(self) -> None:
+        for task in list(self._taking_over):
+            task.cancel()
+        if self._taking_over:
+            await asyncio.wait(set(self._taking_over), timeout=_CLOSE_RESERVE_S)
+        if self._consumer is not None:
+            with contextlib.suppress(Exception):
+                await self._consumer.stop()
+        if self._sinks is not None:
+            with contextlib.suppress(Exception):
+                await self._sinks.stop()
+        self._consumer = None
+        self._sinks = None
+
+    async def run(self) -> None:
+        """Start, process until stop is requested, then finish the batch in flight and close."""
+        await self.start()
+        self._running = True
+        try:
+            await self._bounded_loop()
+        finally:
+            self._running = False
+            await self._stop_background()
+            await self.effects.cancel()
+            await asyncio.wait_for(self.stop(), max(_CLOSE_RESERVE_S, self._remaining()))
+            logger.info("pod stopped", extra={"podId": self.config.pod_id})
+
+    def _remaining(self) -> float:
+        """Seconds left of the shutdown bound (the whole bound while no stop was requested)."""
+        if self._stop_requested_at is None:
+            return self.config.shutdown_timeout_s
+        return self.config.shutdown_timeout_s - (time.monotonic() - self._stop_requested_at)
+
+    async def _bounded_loop(self) -> None:
+        """The loop; once a stop is requested it gets the shutdown bound (minus the close reserve).
+
+        Past the bound the work in flight is cancelled: its transaction is aborted (at-least-once:
+        its offsets are not committed), so the next owner of the partition re-runs it.
+        """
+        loop = asyncio.ensure_future(self._loop())
+        stopper = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({loop, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not loop.done():
+                await asyncio.wait({loop}, timeout=max(0.0, self._remaining() - _CLOSE_RESERVE_S))
+            if not loop.done():
+                logger.warning(
+                    "shutdown bound reached, handing the work in flight back",
+                    extra={"podId": self.config.pod_id, "boundSeconds": self.config.shutdown_timeout_s},
+                )
+                loop.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loop
+                return
+            loop.result()
+        finally:
+            stopper.cancel()
+            if not loop.done():
+                loop.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await loop
+
+    async def _stop_background(self) -> None:
+        self._stop.set()  # background tasks end on the stop signal too (also when the loop raised)
+        pending = [t for t in self.background if not t.done()]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=max(0.0, self._remaining() - _CLOSE_RESERVE_S))
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=_CLOSE_RESERVE_S)
+
+    def assigned(self, assigned: set[TopicPartition]) -> None:
+        """Assigned (aiokafka's coordinator calls this): start taking the partitions over, return at once.
+
+        aiokafka sends no heartbeat until the assignment callback has returned (its heartbeat
+        task starts after it), and the take-over can wait long: InitProducerId waits out the
+        previous owner's open transaction (up to the transaction timeout), and the restore reads
+        the whole state partition. Done inside the callback, that outlives the session timeout
+        and the group expels the pod again and again. So the partitions are paused here and
+        taken over in a task; :meth:`take_over` resumes them once they are owned.
+        """
+        if not assigned:
+            return
+        assert self._consumer is not None
+        self._consumer.pause(*assigned)
+        self._restoring = True
+        task = asyncio.get_running_loop().create_task(self.take_over(assigned))
+        self._taking_over.add(task)
+        task.add_done_callback(self._taking_over.discard)
+
+    async def release(self, partitions: set[int]) -> None:
+        """Revoked: forget the partitions' state, void their driver calls' results, close their writers."""
+        for task in list(self._taking_over):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        if partitions:
+            logger.info(
+                "partitions released: their driver results are void here, the next owner re-runs them",
+                extra={
+                    "partitions": ",".join(map(str, sorted(partitions))),
+                    "outstanding": self.effects.outstanding,
+                },
+            )
+        async with self.batch_lock:
+            self._owned -= partitions
+            self._sought = {tp: o for tp, o in self._sought.items() if tp.partition not in partitions}
+            self.effects.disown(partitions)
+            self.store.drop(partitions)
+            for p in partitions:
+                self._create_gate.forget(p)
+            self._retry = [c for c in self._retry if c.partition not in partitions]
+            self._fenced -= partitions
+            if self._sinks is not None:
+                await self._sinks.close(partitions)
+
+    async def take_over(self, assigned: set[TopicPartition]) -> None:
+        """Assigned: fence the previous writer, read the offsets it left, restore, resume its outbox."""
+        partitions = {tp.partition for tp in assigned}
+        self._restoring = True  # taking over is part of the recovery: not ready until restored
+        try:
+            await self._take_over(assigned, partitions)
+        except Exception as exc:
+            # aiokafka logs a failed callback and carries on with the partitions assigned: they
+            # would sit idle here. Give them back instead; the next turn rejoins the group.
+            logger.error(
+                "taking partitions over failed; rejoining the group",
+                extra={"partitions": ",".join(map(str, sorted(partitions))), "error": str(exc) or repr(exc)},
+            )
+            async with self.batch_lock:
+                self._owned -= partitions
+                self.effects.disown(partitions)
+                self.store.drop(partitions)
+            self._rejoin = True
+        finally:
+            self._restoring = False
+        if self._consumer is not None:
+            self._apply_backpressure()  # resumes what is owned (unless throttled or stopping)
+
+    async def _take_over(self, assigned: set[TopicPartition], partitions: set[int]) -> None:
+        assert self._sinks is not None and self._consumer is not None
+        async with self.batch_lock:
+            self._fenced -= partitions
+            # exactly_once: InitProducerId for <group>-p<N> aborts (or waits out) the previous
+            # owner's transaction, so the committed offsets read next are the stable ones.
+            await self._sinks.open(partitions)
+            committed = {tp: await self._consumer.committed(tp) for tp in assigned}
+            # From here to the end of the block nothing awaits: a turn sees the partitions either
+            # not owned (their records dropped, fetched again from the seek) or owned with their
+            # seek done and their epoch new.
+            for tp, offset in committed.items():
+                if offset is not None and offset >= 0:
+                    self._consumer.seek(tp, offset)
+                    self._sought[tp] = offset
+            self.effects.own(partitions)
+            self._owned |= partitions
+        await self.restore(partitions)
+
+    async def restore(self, partitions: set[int]) -> None:
+        """Rebuild the state of ``partitions`` not yet held; no record of theirs is processed before."""
+        async with self._restore_lock:
+            self._restoring = True
+            try:
+                await self._restore_missing(partitions)
+            finally:
+                self._restoring = False
+        self.ready.set()
+
+    def health(self, stall_after_s: float = 30.0) -> Health:
+        """What /healthz and /readyz answer now (see :func:`assess_health`)."""
+        return assess_health(
+            now=time.monotonic(),
+            running=self._running,
+            last_loop=self._last_loop,
+            stats=self.stats,
+            assigned=len(self._consumer.assignment()) if self._consumer is not None else 0,
+            restoring=self._restoring,
+            restored=self.ready.is_set(),
+            stall_after_s=stall_after_s,
+        )
+
+    async def _restore_missing(self, partitions: set[int]) -> None:
+        missing = (partitions & self._owned) - self.store.owned()
+        if missing:
+            epochs = {p: self.effects.epoch(p) for p in missing}
+            report = await self.store.restore(
+                self.config.bootstrap,
+                missing,
+                isolation_level="read_committed"
+                if self.config.guarantee == "exactly_once"
+                else "read_uncommitted",
+            )
+            self.stats.restored_keys += report.keys
+            self.stats.restore_seconds += report.seconds
+            self.metrics.restored_keys.inc(report.keys)
+            self.metrics.restore_seconds.set(report.seconds)
+            # Released (or released and taken again) while reading: that read is not this epoch's.
+            stale = {p for p in missing if p not in self._owned or self.effects.epoch(p) != epochs[p]}
+            if stale:
+                self.store.drop(stale)
+                missing -= stale
+            self.metrics.state_keys.set(len(self.store))
+            resumed = 0
+            for partition in missing:
+                for key, state in self.store.partition_items(partition):
+                    for effect_id, command in pending_of(state):
+                        resumed += self.effects.submit(partition, key, effect_id, command)
+            if resumed:
+                logger.info(
+                    "outbox resumed: driver calls decided before and not completed run again",
+                    extra={"partitions": ",".join(map(str, sorted(missing))), "calls": resumed},
+                )
+
+    # --- the loop ----------------------------------------------------------------------------
+
+    async def _run_effect(self, command: Command) -> CommandResult:
+        return await self.processor.runner.run(command)
+
+    async def _loop(self) -> None:
+        assert self._consumer is not None
+        while not self._stop.is_set():
+            if self._rejoin:
+                self._rejoin = False
+                self._subscribe()
+            # While driver calls are out, turn often enough to fold their results back promptly.
+            busy = self.effects.outstanding > 0 or bool(self._retry)
+            timeout_ms = min(10, self.config.poll_timeout_ms) if busy else self.config.poll_timeout_ms
+            getmany = asyncio.ensure_future(
+                self._consumer.getmany(timeout_ms=timeout_ms, max_records=self.config.max_batch)
+            )
+            stopper = asyncio.ensure_future(self._stop.wait())
+            done, _ = await asyncio.wait({getmany, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            stopper.cancel()
+            if getmany not in done:
+                getmany.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await getmany
+                break
+            fetched: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = getmany.result()
+            self._last_loop = self.stats.last_progress = time.monotonic()
+            await self._turn(fetched)
+        await self._drain()
+
+    async def _drain(self) -> None:
+        """Stopping: no new records; driver calls in flight finish (within the bound) and are folded back."""
+        assert self._consumer is not None
+        with contextlib.suppress(Exception):
+            self._consumer.pause(*self._consumer.assignment())
+        while self.effects.outstanding > 0 or self._retry:
+            self._last_loop = time.monotonic()
+            if not self.effects.ready.is_set() and not self._retry:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        await self.effects.ready.wait()
+            await self._turn({})
+
+    async def _turn(self, fetched: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> None:
+        """One turn: per partition number, fold back the results so far and decide the records fetched."""
+        assert self._consumer is not None
+        # Records arrive while the assignment callback is still taking a partition over, or for
+        # a partition revoked meanwhile: keep only partitions taken over, restored first.
+        work: dict[int, tuple[dict[TopicPartition, _Records], list[Completion]]] = {}
+        for tp, recs in fetched.items():
+            if not recs or tp.partition not in self._owned or tp.partition in self._fenced:
+                continue
+            if tp in self._sought and await self._drained_before_seek(tp, recs):
+                continue  # the fetch resumes at the take-over's seek
+            work.setdefault(tp.partition, ({}, []))[0][tp] = recs
+        if work:
+            await self.restore(set(work))
+        async with self.batch_lock:
+            completions, self._retry = [*self._retry, *self.effects.take()], []
+            for completion in completions:
+                work.setdefault(completion.partition, ({}, []))[1].append(completion)
+            if work:
+                await asyncio.gather(
+                    *(self._process_partition(p, recs, comps) for p, (recs, comps) in work.items())
+                )
+        self._apply_backpressure()
+
+    async def _drained_before_seek(self, tp: TopicPartition, recs: _Records) -> bool:
+        """Were these records drained before :meth:`take_over` sought the partition?
+
+        Such records start below the committed offset the take-over read (the previous owner
+        committed them meanwhile), or the seek has since moved the position back over them.
+        The first batch that passes ends the check for the partition.
+        """
+        assert self._consumer is not None
+        sought = self._sought[tp]
+        position = await self._consumer.position(tp)  # known after a seek: returns at once
+        if recs[0].offset < sought or position <= recs[-1].offset:
+            return True
+        del self._sought[tp]
+        return False
+
+    def _apply_backpressure(self) -> None:
+        """Pause fetching while too many driver calls are out; resume once most are folded back."""
+        assert self._consumer is not None
+        # Now, not the turn's start: a fence may have dropped the assignment meanwhile (rejoining).
+        assigned = self._consumer.assignment()
+        outstanding = self.effects.outstanding
+        self.metrics.effects_outstanding.set(outstanding)
+        high = max(4 * self.config.driver_concurrency, 4 * self.config.max_batch)
+        low = max(self.config.driver_concurrency, self.config.max_batch)
+        if not self._throttled and outstanding >= high:
+            self._throttled = True
+            logger.warning(
+                "driver calls backing up, pausing fetch",
+                extra={"outstanding": outstanding, "resumeBelow": low},
+            )
+        elif self._throttled and outstanding < low and not self._stop.is_set():
+            self._throttled = False
+            logger.info("driver calls caught up, fetching again", extra={"outstanding": outstanding})
+        # Fetch what is owned (taken over, not fenced) unless throttled or stopping; pause the rest.
+        fetching = not self._throttled and not self._stop.is_set()
+        resumed = [tp for tp in assigned if fetching and tp.partition in self._owned - self._fenced]
+        if resumed:
+            self._consumer.resume(*resumed)
+        paused = [tp for tp in assigned if tp not in set(resumed)]
+        if paused:
+            self._consumer.pause(*paused)
+
+    async def _process_partition(
+        self,
+        partition: int,
+        batch: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]],
+        completions: list[Completion],
+    ) -> None:
+        """One transaction for partition N: results folded back, then the records decided."""
+        assert self._consumer is not None and self._sinks is not None
+        sink = self._sinks.get(partition)
+        if sink is None or partition in self._fenced:
+            # Not (or no longer) ours: the records go back; the results are void (disowned).
+            for tp, records in batch.items():
+                with contextlib.suppress(Exception):
+                    self._consumer.seek(tp, records[0].offset)
+            return
+        started = time.monotonic()
+        txn = PartitionTransaction(
+            partition,
+            sink,
+            config=self.config,
+            processor=self.processor,
+            store=self.store,
+            stats=self.stats,
+            metrics=self.metrics,
+            gate=self._create_gate,
+            consumer=self._consumer,
+            stopping=self._stop,
+            touch=self._touch,
+        )
+        self._create_gate.begin(partition)
+        try:
+            await sink.begin()
+            for completion in completions:
+                await txn.fold(completion)
+            await txn.decide(batch)
+            await sink.commit(txn.offsets)
+        except asyncio.CancelledError:
+            # The shutdown bound cancelled the turn: abort so nothing of it becomes visible.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(sink.abort())
+            raise
+        except Exception as exc:
+            await self._failed(partition, sink, batch, completions, exc)
+            return
+        self._committed(txn, started)
+
+    def _touch(self) -> None:
+        self._last_loop = time.monotonic()
+
+    def _committed(self, txn: PartitionTransaction, started: float) -> None:
+        """The transaction is durable: memory follows, its driver calls start, the meters move."""
+        assert self._consumer is not None
+        self.stats.max_transaction_s = max(self.stats.max_transaction_s, time.monotonic() - started)
+        self.stats.commits_failing_since = None
+        self._create_gate.committed(txn.partition)
+        for tp, offset in txn.held.items():
+            with contextlib.suppress(Exception):
+                self._consumer.seek(tp, offset)
+        for key, state in txn.overlay.items():
+            self.store.put(txn.partition, key, state)
+        now = time.monotonic()
+        for key, effect_id, command in txn.decided:
+            if self.effects.submit(txn.partition, key, effect_id, command):
+                self._decided_at[effect_id] = now
+        driver = self.processor.config.driver_name
+        for completion, outcome in txn.folded:
+            for output in outcome.outputs:
+                self.metrics.record_outcome(completion.command, output, driver)
+            decided_at = self._decided_at.pop(completion.effect_id, None)
+            if decided_at is not None:
+                operation = "ensure" if isinstance(completion.command, Ensure) else "deprovision"
+                self.metrics.time_to_sandbox.labels(operation).observe(now - decided_at)
+        self.stats.outputs.update(txn.counted)
+        self.stats.batches += 1
+        for kind, n in txn.counted.items():
+            self.metrics.outputs.labels(kind.rsplit(".", 1)[-1]).inc(n)
+        self.metrics.batch_seconds.observe(now - started)
+        self.metrics.state_keys.set(len(self.store))
+        for tp, off in txn.offsets.items():
+            highwater = self._consumer.highwater(tp)
+            if highwater is not None:
+                self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(0, highwater - off))
+
+    async def _failed(
+        self,
+        partition: int,
+        sink: BatchSink,
+        batch: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]],
+        completions: list[Completion],
+        exc: Exception,
+    ) -> None:
+        """A transaction failed: rewind its records and fold its results again, or stand down if fenced."""
+        assert self._consumer is not None
+        self.stats.commit_failures += 1
+        self.metrics.commit_failures.inc()
+        self.stats.last_commit_failure = time.monotonic()
+        if self.stats.commits_failing_since is None:
+            self.stats.commits_failing_since = self.stats.last_commit_failure
+        error = str(exc) or type(exc).__name__
+        fenced = isinstance(exc, ProducerFenced)
+        if not fenced:
+            try:
+                await sink.abort()
+            except Exception:
+                fenced = sink.guarantee == "exactly_once"  # the producer cannot go on: same as fenced
+        for tp, records in batch.items():
+            with contextlib.suppress(Exception):
+                self._consumer.seek(tp, records[0].offset)
+        if not fenced:
+            logger.error("transaction failed, rewinding", extra={"partition": partition, "error": error})
+            self._retry.extend(completions)
+            return
+        # Another pod took the partition over (this one was paused past its session timeout, or
+        # its transaction outlived the timeout): nothing of it may be written from here. Stand
+        # down and let the group decide who owns it; a rejoin reassigns it, fenced again.
+        logger.error(
+            "fenced: another writer owns the partition now; standing down and rejoining the group",
+            extra={"partition": partition, "error": error},
+        )
+        self._fenced.add(partition)
+        self._owned.discard(partition)
+        self.effects.disown({partition})
+        self.store.drop({partition})
+        self._create_gate.forget(partition)
+        if self._sinks is not None:
+            await self._sinks.close({partition})
+        self._subscribe()

@@ -1,0 +1,7 @@
+"""``python -m consumers.tools.bench`` = ``sandbox-lanes bench``."""
+
+import sys
+
+from consumers.tools.cli import main
+
+sys.exit(main(["bench", *sys.argv[1:]]))

@@ -1,0 +1,199 @@
+"""The bench's arguments and its run: which figures, the broker, the JSON, the table."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import functools
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from consumers.tools.bench.common import FIGURES, STATE_COMPRESSION, machine, versions
+from consumers.tools.bench.drivers import measure_drivers
+from consumers.tools.bench.latency import measure_latency
+from consumers.tools.bench.restore import measure_restore
+from consumers.tools.bench.rules import measure_rules
+from consumers.tools.bench.table import render_table
+from consumers.tools.bench.throughput import measure_throughput
+
+logger = logging.getLogger("sandbox_lanes.bench")
+
+
+# --- arguments ----------------------------------------------------------------------------------
+
+
+def _sizes(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        mult = 1
+        if part.endswith("k"):
+            mult, part = 1_000, part[:-1]
+        elif part.endswith("m"):
+            mult, part = 1_000_000, part[:-1]
+        out.append(int(float(part) * mult))
+    if not out or min(out) <= 0:
+        raise argparse.ArgumentTypeError(f"sizes must be positive: {text!r}")
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bootstrap", help="use this Kafka instead of starting a fresh Apache Kafka broker")
+    parser.add_argument("--out", default="bench-results.json", help="JSON results file")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure (median and min-max)")
+    parser.add_argument("--events", type=int, default=20_000, help="input events per ceiling/pod run")
+    parser.add_argument("--partitions", type=int, default=3, help="partitions of every bench topic")
+    parser.add_argument("--max-batch", type=int, default=500, help="records per getmany (pod and pipe)")
+    parser.add_argument("--latency-load", type=float, default=0.5, help="offered load x pod throughput")
+    parser.add_argument("--latency-rate", type=float, default=0.0, help="offered events/s (overrides load)")
+    parser.add_argument(
+        "--latency-guarantees",
+        default="exactly_once,at_least_once",
+        help="processing guarantees to measure latency under (comma-separated)",
+    )
+    parser.add_argument("--latency-seconds", type=float, default=10.0, help="measured seconds per run")
+    parser.add_argument("--latency-warmup", type=float, default=1.0, help="seconds discarded per run")
+    parser.add_argument("--rules-events", type=int, default=200_000, help="events per pure-rules run")
+    parser.add_argument(
+        "--restore-sizes", type=_sizes, default=[10_000, 100_000, 1_000_000], help="e.g. 10k,100k,1m"
+    )
+    parser.add_argument("--driver-samples", type=int, default=20, help="sandboxes per local-process run")
+    parser.add_argument("--docker-samples", type=int, default=5, help="containers per docker run")
+    parser.add_argument("--burst-n", type=int, default=2000, help="creates per memory-driver burst")
+    parser.add_argument("--burst-docker-n", type=int, default=200, help="creates per docker burst")
+    parser.add_argument("--burst-latency-ms", type=float, default=200.0, help="memory driver ms per call")
+    parser.add_argument("--burst-concurrency", type=int, default=32, help="driver concurrency in a burst")
+    parser.add_argument("--docker-host", help="use this engine (unix://...) instead of a private dockerd")
+    parser.add_argument("--docker-image", default="", help="image on --docker-host (default: busybox tag)")
+    parser.add_argument(
+        "--only",
+        default=",".join(f for f in FIGURES if f != "burst"),
+        help=f"comma-separated subset of {','.join(FIGURES)} (default: all but burst)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+# --- orchestration ------------------------------------------------------------------------------
+
+
+async def _main(args: argparse.Namespace, bootstrap: str | None, only: set[str]) -> dict[str, Any]:
+    show = not args.no_progress
+    figures: dict[str, Any] = {}
+    timings: dict[str, float] = {}
+
+    async def timed(name: str, fn: Callable[[], Any]) -> None:
+        started = time.perf_counter()
+        try:
+            figures[name] = await fn()
+        except Exception as exc:
+            logger.error("figure failed", extra={"figure": name, "error": str(exc)})
+            figures[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        timings[name] = time.perf_counter() - started
+
+    if "rules" in only:
+        await timed("rules", lambda: asyncio.to_thread(measure_rules, args, show))
+    if bootstrap is not None:
+        if "ceiling" in only or "pod" in only or ("latency" in only and not args.latency_rate):
+            await timed("throughput", lambda: measure_throughput(args, bootstrap, show))
+        if "latency" in only:
+            pod_rate = 0.0
+            with contextlib.suppress(KeyError, TypeError):
+                pod_rate = figures["throughput"]["pod"]["exactly_once_events_per_s"]["median"]
+            if pod_rate <= 0 and not args.latency_rate:
+                figures["latency"] = {"error": "no pod throughput to derive the offered load from"}
+            else:
+                for guarantee in [g.strip() for g in args.latency_guarantees.split(",") if g.strip()]:
+                    name = "latency" if guarantee == "exactly_once" else f"latency_{guarantee}"
+                    await timed(
+                        name, functools.partial(measure_latency, args, bootstrap, pod_rate, show, guarantee)
+                    )
+        if "restore" in only:
+            await timed("restore", lambda: measure_restore(args, bootstrap, show))
+        if "burst" in only:
+            from consumers.tools.bench.burst import measure_burst
+
+            await timed("burst", lambda: measure_burst(args, bootstrap, show))
+    if "drivers" in only:
+        await timed("drivers", lambda: measure_drivers(args, show))
+    return {"figures": figures, "seconds": timings}
+
+
+def run(args: argparse.Namespace) -> int:
+    from consumers.ops.logs import setup_logging
+
+    # The pod's per-decision info lines are not what is measured: warning unless asked (--log-level).
+    level = getattr(args, "log_level", None)
+    setup_logging(level if level not in (None, "info") else "warning")
+    only = {f.strip() for f in args.only.split(",") if f.strip()}
+    unknown = only - set(FIGURES)
+    if unknown:
+        print(f"sandbox-lanes bench: unknown figure(s) {sorted(unknown)}; known: {FIGURES}", file=sys.stderr)
+        return 2
+    needs_kafka = bool(only & {"ceiling", "pod", "latency", "restore", "burst"})
+    began = time.perf_counter()
+    meta: dict[str, Any] = {
+        "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": "sandbox-lanes bench " + " ".join(_argv_of(args)),
+        "machine": machine(),
+        "versions": versions(),
+        "state_compression": STATE_COMPRESSION,
+    }
+    broker = None
+    bootstrap = args.bootstrap
+    if needs_kafka and bootstrap is None:
+        try:
+            from harness.kafka_broker import DEFAULT_JVM_OPTS, KAFKA_VERSION, KafkaBroker
+        except ModuleNotFoundError:
+            print(
+                "sandbox-lanes bench: starting its own Apache Kafka needs the dev harness (a checkout set up "
+                "by scripts/bootstrap.sh); otherwise pass --bootstrap HOST:PORT",
+                file=sys.stderr,
+            )
+            return 2
+
+        broker = KafkaBroker()
+        print("starting Apache Kafka for the bench …", file=sys.stderr)
+        broker.start()
+        bootstrap = broker.bootstrap
+        jvm = os.environ.get("SANDBOX_LANES_KAFKA_JVM_OPTS", "").split() or list(DEFAULT_JVM_OPTS)
+        meta["broker"] = {
+            "kind": f"Apache Kafka {KAFKA_VERSION} (KRaft, single node, devtools/harness/kafka_broker.py)",
+            "bootstrap": bootstrap,
+            "jvm_opts": " ".join(jvm),
+            "startup_seconds": round(broker.startup_seconds, 1),
+        }
+    elif needs_kafka:
+        meta["broker"] = {"kind": "given with --bootstrap", "bootstrap": bootstrap}
+    try:
+        result = asyncio.run(_main(args, bootstrap, only))
+    finally:
+        if broker is not None:
+            broker.stop()
+    meta["seconds"] = round(time.perf_counter() - began, 1)
+    doc = {"meta": meta, **result}
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    print(render_table(doc))
+    print(f"\nJSON: {args.out}")
+    return 0
+
+
+def _argv_of(args: argparse.Namespace) -> list[str]:
+    out = []
+    for name in ("repeats", "events", "partitions", "restore_sizes", "driver_samples", "docker_samples"):
+        value = getattr(args, name)
+        if isinstance(value, list):
+            value = ",".join(str(v) for v in value)
+        out.append(f"--{name.replace('_', '-')} {value}")
+    if args.only != ",".join(FIGURES):
+        out.append(f"--only {args.only}")
+    return out

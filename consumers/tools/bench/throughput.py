@@ -1,0 +1,203 @@
+"""Figures 1 and 2: the plain aiokafka pipe (alone, and with the pod's write shape) and the pod's events/s."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from consumers.ops.progress import progress
+from consumers.tools.bench.common import (
+    create_topics,
+    delete_topics,
+    lane_env,
+    produce_inputs,
+    running_pod,
+    summary,
+)
+
+logger = logging.getLogger("sandbox_lanes.bench")
+
+
+# --- 1. ceiling: the plain pipe -----------------------------------------------------------------
+
+
+async def _pipe(
+    bootstrap: str,
+    source: str,
+    sink: str,
+    n: int,
+    *,
+    group: str,
+    max_batch: int,
+    transactional: bool = False,
+    fanout: int = 1,
+) -> float:
+    """Consume ``n`` records from ``source`` and write each ``fanout`` times to ``sink``; events/s."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from aiokafka.abc import ConsumerRebalanceListener
+    from aiokafka.structs import OffsetAndMetadata
+
+    assigned_at: list[float] = []
+
+    class Listener(ConsumerRebalanceListener):  # type: ignore[misc]
+        async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+            return None
+
+        async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+            if assigned and not assigned_at:
+                assigned_at.append(time.perf_counter())
+
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        acks="all",
+        linger_ms=5,
+        enable_idempotence=transactional,
+        transactional_id=f"{group}-tx" if transactional else None,
+    )
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+    )
+    await producer.start()
+    await consumer.start()
+    try:
+        consumer.subscribe([source], listener=Listener())
+        done = 0
+        while done < n:
+            batch = await consumer.getmany(timeout_ms=200, max_records=max_batch)
+            if not batch:
+                continue
+            offsets = {tp: OffsetAndMetadata(recs[-1].offset + 1, "") for tp, recs in batch.items() if recs}
+            if transactional:
+                await producer.begin_transaction()
+            futures = []
+            for recs in batch.values():
+                for rec in recs:
+                    for _ in range(fanout):
+                        futures.append(
+                            await producer.send(sink, rec.value, key=rec.key, headers=list(rec.headers))
+                        )
+                    done += 1
+            await asyncio.gather(*futures)
+            if transactional:
+                await producer.send_offsets_to_transaction(offsets, group)
+                await producer.commit_transaction()
+            else:
+                await consumer.commit(offsets)
+        ended = time.perf_counter()
+    finally:
+        await consumer.stop()
+        await producer.stop()
+    return n / (ended - assigned_at[0])
+
+
+async def _pod_throughput(env: dict[str, str], n: int, max_batch: int, timeout_s: float) -> float:
+    async with running_pod(env, max_batch) as pod:
+        started = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
+        while sum(pod.stats.outputs.values()) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pod wrote {sum(pod.stats.outputs.values())}/{n} outcomes in time")
+            await asyncio.sleep(0.002)
+        ended = time.perf_counter()
+        if pod.stats.dead_lettered:
+            raise RuntimeError(f"{pod.stats.dead_lettered} bench records dead-lettered")
+    return n / (ended - started)
+
+
+async def measure_throughput(args: argparse.Namespace, bootstrap: str, show: bool) -> dict[str, Any]:
+    from consumers.ops.settings import load_settings
+
+    tag = f"bench-{uuid.uuid4().hex[:6]}"
+    base = lane_env(bootstrap, tag, args.partitions, "exactly_once")
+    topics = load_settings(base).topics
+    await create_topics(bootstrap, topics, args.partitions)
+    created: list[str] = list(topics.all())
+    n = args.events
+    await produce_inputs(bootstrap, topics.execution_created, n, tag, show)
+    plain: list[float] = []
+    eos_x2: list[float] = []
+    pod_eos: list[float] = []
+    pod_alo: list[float] = []
+    timeout = max(120.0, n / 200)
+    try:
+        with progress("ceiling + pod runs", args.repeats * 4, enabled=show) as bar:
+            for r in range(args.repeats):
+                # Interleaved, so drift in the machine's load hits every variant alike.
+                sink = f"{tag}.pipe-{r}"
+                created.append(sink)
+                await _create_sink(bootstrap, sink, args.partitions)
+                plain.append(
+                    await _pipe(
+                        bootstrap, topics.execution_created, sink, n, group=f"{tag}-pipe-{r}",
+                        max_batch=args.max_batch,
+                    )
+                )  # fmt: skip
+                bar.advance()
+                sink2 = f"{tag}.pipe-eos-{r}"
+                created.append(sink2)
+                await _create_sink(bootstrap, sink2, args.partitions)
+                eos_x2.append(
+                    await _pipe(
+                        bootstrap, topics.execution_created, sink2, n, group=f"{tag}-pipe-eos-{r}",
+                        max_batch=args.max_batch, transactional=True, fanout=2,
+                    )
+                )  # fmt: skip
+                bar.advance()
+                for guarantee, out in (("exactly_once", pod_eos), ("at_least_once", pod_alo)):
+                    env = {
+                        **base,
+                        "SANDBOX_LANES_PROCESSING_GUARANTEE": guarantee,
+                        "SANDBOX_LANES_GROUP_ID": f"{tag}-pod-{guarantee}-{r}",
+                        "SANDBOX_LANES_TOPIC_OUTCOMES": f"{tag}.outcomes-{guarantee}-{r}",
+                        "SANDBOX_LANES_TOPIC_STATE": f"{tag}.state-{guarantee}-{r}",
+                        "SANDBOX_LANES_TOPIC_DLQ": f"{tag}.dlq-{guarantee}-{r}",
+                    }
+                    created.extend(
+                        env[k]
+                        for k in (
+                            "SANDBOX_LANES_TOPIC_OUTCOMES",
+                            "SANDBOX_LANES_TOPIC_STATE",
+                            "SANDBOX_LANES_TOPIC_DLQ",
+                        )
+                    )
+                    out.append(await _pod_throughput(env, n, args.max_batch, timeout))
+                    bar.advance()
+    finally:
+        await delete_topics(bootstrap, created)
+    ratios = [p / c for p, c in zip(pod_eos, plain, strict=True)]
+    ratios_alo = [p / c for p, c in zip(pod_alo, plain, strict=True)]
+    return {
+        "events": n,
+        "partitions": args.partitions,
+        "max_batch": args.max_batch,
+        "ceiling": {
+            "plain_pipe_events_per_s": summary(plain),
+            "eos_pipe_2_writes_events_per_s": summary(eos_x2),
+        },
+        "pod": {
+            "exactly_once_events_per_s": summary(pod_eos),
+            "at_least_once_events_per_s": summary(pod_alo),
+            "ratio_exactly_once": summary(ratios),
+            "ratio_at_least_once": summary(ratios_alo),
+            "ratio_exactly_once_vs_eos_pipe": summary([p / c for p, c in zip(pod_eos, eos_x2, strict=True)]),
+        },
+    }
+
+
+async def _create_sink(bootstrap: str, name: str, partitions: int) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
+    finally:
+        await admin.close()

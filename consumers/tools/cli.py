@@ -1,0 +1,223 @@
+"""``sandbox-lanes``: the pod and its operator tools."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from consumers.ops.config_file import CONFIG_FILE_ENV
+from consumers.ops.logs import JSON_LINES_BY_FORMAT, setup_logging
+from consumers.ops.settings import ConfigError, load_settings
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from consumers.ops.compose import compose
+    from consumers.ops.http_server import OpsServer
+
+    settings = load_settings()
+    setup_logging(
+        args.log_level or settings.log_level,
+        json_lines=JSON_LINES_BY_FORMAT[settings.log_format],
+        secrets=settings.secret_values,
+    )
+    log = logging.getLogger("sandbox_lanes")
+    for warning in settings.warnings:
+        log.warning(warning)
+    composed = compose(settings, log)
+    ops = (
+        OpsServer(
+            composed.pod,
+            composed.metrics,
+            host=settings.http_host,
+            port=settings.http_port,
+            stall_after_s=settings.stall_seconds,
+        )
+        if settings.http_port
+        else None
+    )
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, composed.pod.request_stop)
+        from consumers.tools.reaper import start_periodic_reaper  # SANDBOX_LANES_REAP_INTERVAL_S (0 = off)
+
+        start_periodic_reaper(settings, composed)  # the pod awaits it within its shutdown bound
+        try:
+            if ops is not None:  # /metrics, /healthz, /readyz on this loop; 503 until the pod is ready
+                try:
+                    await ops.start()
+                except OSError as exc:
+                    raise ConfigError(
+                        f"SANDBOX_LANES_HTTP_HOST={settings.http_host!r} SANDBOX_LANES_HTTP_PORT="
+                        f"{settings.http_port}: cannot listen: {exc.strerror or exc}"
+                    ) from None
+            await composed.pod.run()
+        finally:
+            if ops is not None:
+                await ops.stop()
+            if composed.provisioner is not None:
+                await composed.provisioner.close()
+
+    asyncio.run(main())
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from consumers.tools.demo import run_demo
+
+    setup_logging("info" if args.verbose else "warning")
+    return asyncio.run(run_demo(verbose=args.verbose))
+
+
+def _cmd_produce(args: argparse.Namespace) -> int:
+    from consumers.tools.topic_io import InputFileError, load_events, produce
+
+    settings = load_settings()
+    setup_logging(args.log_level)
+    try:
+        messages = load_events(Path(args.file))
+    except InputFileError as exc:
+        print(f"sandbox-lanes produce: {exc}", file=sys.stderr)
+        return 2
+    count = asyncio.run(produce(args.bootstrap or settings.bootstrap, messages, settings.topics))
+    print(f"produced {count} events to {args.bootstrap or settings.bootstrap}")
+    return 0
+
+
+def _cmd_tail(args: argparse.Namespace) -> int:
+    from consumers.tools.topic_io import tail
+
+    settings = load_settings()
+    setup_logging(args.log_level)
+    topics = settings.topics
+    names = [topics.outcomes]
+    if args.state:
+        names.append(topics.state)
+    if args.dlq:
+        names.append(topics.dead_letter)
+    if args.inputs:
+        names.extend(topics.inputs)
+    asyncio.run(
+        tail(
+            args.bootstrap or settings.bootstrap,
+            names,
+            from_beginning=not args.latest,
+            idle_timeout_s=None if args.follow else args.idle_timeout,
+            max_records=args.max,
+            isolation_level="read_committed" if settings.guarantee == "exactly_once" else "read_uncommitted",
+        )
+    )
+    return 0
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    settings = load_settings()  # validates everything: a wrong value exits 2 with the variable named
+    for warning in settings.warnings:
+        print(f"sandbox-lanes: warning: {warning}", file=sys.stderr)
+    print(json.dumps(settings.effective(), indent=2))
+    return 0
+
+
+#: Subcommands in their own modules; each has ``add_arguments(parser)`` and ``run(args) -> int``.
+MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
+    (
+        "replay",
+        "consumers.tools.replay",
+        "audit replay: re-derive every decision from the inputs and compare",
+    ),
+    (
+        "reap",
+        "consumers.tools.reaper",
+        "list (and with --apply remove) managed sandboxes whose execution is over",
+    ),
+    ("bench", "consumers.tools.bench", "benchmarks against the plain aiokafka pipe ceiling"),
+)
+
+
+def _module_command(module_name: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        module = importlib.import_module(module_name)
+        code: int = module.run(args)
+        return code
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sandbox-lanes",
+        description="Event-sourced Kafka consumer that provisions and tears down execution sandboxes.",
+    )
+    config_help = "optional YAML or .env config file (sets SANDBOX_LANES_CONFIG_FILE; the environment wins)"
+    parser.add_argument("--config", metavar="FILE", default=None, help=config_help)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        p.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
+        return p
+
+    add("run", "run the pod (configured from the environment; see the README's config table)").set_defaults(
+        func=_cmd_run,
+        log_level=None,  # no --log-level: SANDBOX_LANES_LOG_LEVEL (default info)
+    )
+    demo = add("demo", "start the embedded Tansu broker and the pod, play a short scenario, clean up")
+    demo.add_argument("--verbose", action="store_true", help="also print the pod's logs")
+    demo.set_defaults(func=_cmd_demo)
+    produce = add("produce", "publish input events from a JSON or YAML file")
+    produce.add_argument(
+        "file", help="a list of {type: ExecutionCreated|PhaseChanged|SessionDeleted, ...fields}"
+    )
+    produce.add_argument("--bootstrap", help="override KAFKA_BOOTSTRAP_SERVERS")
+    produce.set_defaults(func=_cmd_produce)
+    tail = add(
+        "tail", "print decoded outcome (and optionally state, dead-letter, input) events as JSON lines"
+    )
+    tail.add_argument("--bootstrap", help="override KAFKA_BOOTSTRAP_SERVERS")
+    tail.add_argument("--state", action="store_true", help="include the compacted state topic")
+    tail.add_argument("--dlq", action="store_true", help="include the dead-letter topic")
+    tail.add_argument("--inputs", action="store_true", help="include the input topics")
+    tail.add_argument("--latest", action="store_true", help="start at the end instead of the beginning")
+    tail.add_argument("--follow", action="store_true", help="keep waiting for new records")
+    tail.add_argument("--idle-timeout", type=float, default=5.0, help="stop after this many idle seconds")
+    tail.add_argument("--max", type=int, default=None, help="stop after this many records")
+    tail.set_defaults(func=_cmd_tail)
+    for name, module_name, help_text in MODULE_COMMANDS:
+        module = importlib.import_module(module_name)  # a missing one is a packaging bug: fail loudly
+        command = add(name, help_text)
+        module.add_arguments(command)
+        command.set_defaults(func=_module_command(module_name))
+    config = add("config", "configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    show = config_sub.add_parser("show", help="print the effective configuration, secrets masked")
+    show.set_defaults(func=_cmd_config_show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):  # global --config FILE: every command's load_settings() reads it
+        os.environ[CONFIG_FILE_ENV] = args.config
+    try:
+        code: int = args.func(args)
+    except ConfigError as exc:
+        print(f"sandbox-lanes: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The layout's rules hold: the import contracts, and a product wheel without the dev harness.
+
+* ``lint-imports`` (import-linter, contracts in pyproject.toml) over the real packages: the layers
+  tools > ops > runtime > lanes, pure lanes, drivers/events never importing the pod, the product never
+  importing the harness (the bench's lazy starters excepted by name).
+* The wheel built from the checkout holds only the product packages, and installed alone (no test
+  extras, no dev harness) ``sandbox-lanes --help`` works and ``import harness`` fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def test_the_import_contracts_hold() -> None:
+    proc = subprocess.run(
+        [str(BIN / "lint-imports"), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "4 kept, 0 broken" in proc.stdout
+
+
+def test_the_product_wheel_ships_without_the_harness_and_runs_without_test_extras(tmp_path: Path) -> None:
+    # Built from a copy of what the Dockerfile copies: setuptools writes build/ next to its source.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for package in ("consumers", "drivers", "events"):
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(src),
+        ],
+        check=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    (wheel,) = wheels.glob("sandbox_lanes-*.whl")
+    tops = {name.split("/", 1)[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert {t for t in tops if not t.endswith((".dist-info", ".data"))} == {"consumers", "drivers", "events"}
+
+    # A venv with the wheel alone; its dependencies come from this venv's site-packages by a path
+    # (.pth files there are not run, so the editable checkout and the harness stay invisible).
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    py = env_dir / "bin" / "python"
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    (Path(purelib) / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    help_ = subprocess.run(
+        [str(env_dir / "bin" / "sandbox-lanes"), "--help"],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+    )
+    assert help_.returncode == 0, help_.stderr
+    assert "bench" in help_.stdout and "replay" in help_.stdout
+    where = subprocess.run(
+        [str(py), "-c", "import consumers, sys; print(consumers.__file__); import harness"],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+    )
+    assert where.stdout.strip().startswith(str(env_dir)), where.stdout  # the wheel's copy, not the checkout
+    assert "No module named 'harness'" in where.stderr
