@@ -66,6 +66,9 @@ class DriverConfig:
     runner_secret_env: Mapping[str, str] = field(default_factory=dict, repr=False)
     #: Driver-specific knobs (e.g. docker memory limit), by the driver's own names.
     options: Mapping[str, str] = field(default_factory=dict)
+    #: The pod's own secret settings (the signing key, its file, Kafka credentials): a driver whose
+    #: runner inherits the pod's environment (local-process) leaves these out.
+    withheld_env: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

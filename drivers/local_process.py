@@ -283,7 +283,7 @@ class LocalProcessProvisioner(ScopedMethods):
             except OSError as exc:
                 raise SandboxError(f"local-process workspace {str(workspace)!r} unusable: {exc}") from exc
             contract = build_runner_env(self._config, env, workspace_dir=str(workspace))
-            child_env = {**inheritable_parent_env(os.environ), **contract.merged()}
+            child_env = {**inheritable_parent_env(os.environ, self._config.withheld_env), **contract.merged()}
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *self._command,

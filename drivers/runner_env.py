@@ -32,14 +32,21 @@ def is_temporal_connection_name(name: str) -> bool:
     return name.startswith(TEMPORAL_CONNECTION_ENV_PREFIXES)
 
 
-def inheritable_parent_env(parent: Mapping[str, str]) -> dict[str, str]:
+def inheritable_parent_env(
+    parent: Mapping[str, str], withheld: frozenset[str] = frozenset()
+) -> dict[str, str]:
     """The part of the server's env a local child may inherit.
 
-    Drops the Temporal connection settings (spec 5.1) and every driver-owned
-    name, so a conditional variable such as ``STIGMER_TOKEN`` is present in the
-    child only when the driver itself sets it.
+    Drops the Temporal connection settings (spec 5.1), every driver-owned name, so a
+    conditional variable such as ``STIGMER_TOKEN`` is present in the child only when the
+    driver itself sets it, and the pod's own secrets (``withheld``: upstream passes its whole
+    environment on, signing key included; a runner holding it could mint any execution's token).
     """
-    return {k: v for k, v in parent.items() if not is_temporal_connection_name(k) and k not in _DRIVER_OWNED}
+    return {
+        k: v
+        for k, v in parent.items()
+        if not is_temporal_connection_name(k) and k not in _DRIVER_OWNED and k not in withheld
+    }
 
 
 def _operator_entries(values: Mapping[str, str]) -> dict[str, str]:

@@ -182,3 +182,67 @@ async def test_no_token_in_any_log_event_metric_or_process_list(
             f"the signing key is in the {where}"
         )
         assert JWT.search(data) is None, f"something JWT-shaped is in the {where}: {JWT.search(data)}"
+
+
+async def test_no_pod_secret_reaches_a_local_process_runner_and_a_file_loaded_key_is_redacted(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """The local-process runner inherits the pod's environment (as upstream's does) minus the pod's
+    own secrets: the signing key, the file it was read from, every secret setting. The contract
+    itself (queue, token, endpoints) still arrives. A key loaded from its file is redacted like one
+    given in the variable."""
+    from consumers.ops.settings import RUNNER_WITHHELD_ENV
+
+    key = base64.b64encode(secrets.token_bytes(32)).decode()
+    key_file = tmp_path / "token-key"
+    key_file.write_text(key + "\n")
+    env = unique_env(
+        kafka_bootstrap,
+        tmp_path,
+        STIGMER_RUNNER_TOKEN_KEY_FILE=str(key_file),
+        SANDBOX_LANES_REAP_INTERVAL_S="0",
+    )
+    assert key in load_settings(env).secret_values  # what the log formatter scrubs
+    assert {"STIGMER_RUNNER_TOKEN_KEY", "STIGMER_RUNNER_TOKEN_KEY_FILE"} <= RUNNER_WITHHELD_ENV
+    topics = load_settings(env).topics
+    wf = f"wfx_sec_env_{RUN}"
+    pod = PodProcess({**env, "STIGMER_RUNNER_TOKEN_KEY": ""}, tmp_path / "pod.log")
+    pod.start()
+    try:
+        await pod.wait_for_log("state restored")
+        await produce(
+            kafka_bootstrap,
+            env,
+            inputs_pb2.ExecutionCreated(
+                meta=new_meta(), kind=common_pb2.WORKFLOW_EXECUTION, execution_id=wf,
+                workflow_execution_target=common_pb2.CLOUD, caller_identity_id="ida_sec",
+            ),
+        )  # fmt: skip
+        provisioned = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
+        assert getattr(provisioned[0].message, "token_minted", False), provisioned
+        (pid,) = runner_pids(f"wfexec:{wf}")
+        runner_env = dict(
+            item.split(b"=", 1)
+            for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if b"=" in item
+        )
+        await produce(
+            kafka_bootstrap,
+            env,
+            inputs_pb2.PhaseChanged(
+                meta=new_meta(), kind=common_pb2.WORKFLOW_EXECUTION, execution_id=wf,
+                previous_phase=common_pb2.EXECUTION_IN_PROGRESS, new_phase=common_pb2.EXECUTION_COMPLETED,
+            ),
+        )  # fmt: skip
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
+    finally:
+        code, _ = await asyncio.to_thread(pod.terminate)
+    assert code == 0
+    names = {k.decode() for k in runner_env}
+    assert names & RUNNER_WITHHELD_ENV == set(), names & RUNNER_WITHHELD_ENV
+    assert not any(key.encode() in v or str(key_file).encode() in v for v in runner_env.values())
+    # The upstream contract is intact, and the pod's other (non-secret) settings still pass on.
+    assert runner_env[b"STIGMER_TASK_QUEUE"] == f"wfexec:{wf}".encode()
+    assert runner_env[b"STIGMER_TOKEN"].count(b".") == 2
+    assert runner_env[b"KAFKA_BOOTSTRAP_SERVERS"] == kafka_bootstrap.encode()
+    assert key.encode() not in pod.log_path.read_bytes()

@@ -42,6 +42,9 @@ class Setting:
     default: str
     help: str
     secret: bool = False
+    #: The pod's own, never a runner's: a local-process runner inherits the pod's environment
+    #: without these (every secret, and where a secret is read from).
+    pod_only: bool = False
 
 
 #: Every knob, in the order the README's config table lists them.
@@ -125,7 +128,9 @@ SETTINGS: tuple[Setting, ...] = (
         "STIGMER_RUNNER_TOKEN_KEY", "", "base64 32-byte HS256 key; unset = token-less launches", secret=True
     ),
     Setting("SANDBOX_LANES_DRIVER_OPTIONS", "", "driver knobs as k=v,k=v (see the driver tables)"),
-    Setting("STIGMER_RUNNER_TOKEN_KEY_FILE", "", "read STIGMER_RUNNER_TOKEN_KEY from this file"),
+    Setting(
+        "STIGMER_RUNNER_TOKEN_KEY_FILE", "", "read STIGMER_RUNNER_TOKEN_KEY from this file", pod_only=True
+    ),
     Setting("SANDBOX_LANES_HTTP_HOST", "0.0.0.0", "address of the /metrics, /healthz, /readyz server"),
     Setting("SANDBOX_LANES_HTTP_PORT", "8080", "port of the HTTP server (0 = no HTTP server)"),
     Setting(
@@ -137,6 +142,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SANDBOX_LANES_LOG_FORMAT", "auto", "auto (human on a terminal, else JSON), json or human"),
     Setting("SANDBOX_LANES_CONFIG_FILE", "", "optional YAML or .env file of these variables (env wins)"),
 )
+
+#: Names a runner never inherits from the pod's environment (the local-process driver's children).
+RUNNER_WITHHELD_ENV: frozenset[str] = frozenset(s.env for s in SETTINGS if s.secret or s.pod_only)
 _BY_NAME = {s.env: s for s in SETTINGS}
 
 
@@ -269,7 +277,8 @@ def _provisioner_type(env: Mapping[str, str]) -> str:
     return value
 
 
-def _check_token_key(env: Mapping[str, str]) -> None:
+def _token_key_text(env: Mapping[str, str]) -> str:
+    """The signing key's base64 text, from the variable or its file, validated ('' = unset)."""
     name, raw = "STIGMER_RUNNER_TOKEN_KEY", _get(env, "STIGMER_RUNNER_TOKEN_KEY")
     path = _get(env, "STIGMER_RUNNER_TOKEN_KEY_FILE")
     if not raw and path:
@@ -281,7 +290,7 @@ def _check_token_key(env: Mapping[str, str]) -> None:
                 f"STIGMER_RUNNER_TOKEN_KEY_FILE={path!r} cannot be read: {exc.strerror}"
             ) from None
     if not raw:
-        return
+        return ""
     try:
         key = base64.b64decode(raw, validate=True)
     except (binascii.Error, ValueError):
@@ -290,6 +299,7 @@ def _check_token_key(env: Mapping[str, str]) -> None:
         raise ConfigError(
             f"{name} is invalid; allowed: base64 of a 32-byte key (it decodes to {len(key)} bytes)"
         )
+    return raw
 
 
 def _target_warnings(env: Mapping[str, str]) -> list[str]:
@@ -335,11 +345,13 @@ class Settings:
     config_file: str = ""
     #: Accepted but suspicious values (logged at start-up, printed by ``config show``).
     warnings: tuple[str, ...] = ()
+    #: The signing key's text however it was given (variable or file): for redaction only.
+    runner_token_key: str = field(repr=False, default="")
 
     @property
     def secret_values(self) -> list[str]:
         """Values the logs must never show: the signing key and the runner secrets."""
-        values = [self.raw.get("STIGMER_RUNNER_TOKEN_KEY", ""), *self.driver.runner_secret_env.values()]
+        values = [self.runner_token_key, *self.driver.runner_secret_env.values()]
         return [v for v in values if v]
 
     def effective(self) -> dict[str, str]:
@@ -366,7 +378,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             env = merge(read_config_file(Path(config_file), _BY_NAME), env)
         except ConfigFileError as exc:
             raise ConfigError(str(exc)) from None
-    _check_token_key(env)
+    token_key = _token_key_text(env)
     guarantee = _choice(env, "SANDBOX_LANES_PROCESSING_GUARANTEE", get_args(Guarantee))
     agent = AgentExecutionTemporalConfig(
         runner_queue=_get(env, "TEMPORAL_AGENT_EXECUTION_RUNNER_TASK_QUEUE"),
@@ -413,6 +425,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         runner_env={n: env[n] for n in runner_env_names},
         runner_secret_env={n: env[n] for n in secret_names},
         options=_options(env),
+        withheld_env=RUNNER_WITHHELD_ENV,
     )
     return Settings(
         bootstrap=_bootstrap(env),
@@ -443,4 +456,5 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         log_format=_choice(env, "SANDBOX_LANES_LOG_FORMAT", _LOG_FORMATS),
         config_file=config_file,
         warnings=tuple(_target_warnings(env)),
+        runner_token_key=token_key,
     )

@@ -28,6 +28,7 @@ from aiokafka.errors import ProducerFenced
 
 from consumers.lanes.commands import Command, CommandResult, Ensure
 from consumers.lanes.outbox import pending_of
+from consumers.runtime.backpressure import FetchThrottle
 from consumers.runtime.clients import group_consumer_for, producer_options_for
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
@@ -35,6 +36,7 @@ from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.partition_txn import PartitionTransaction
 from consumers.runtime.pod_config import Health, PodConfig, PodStats, assess_health
 from consumers.runtime.processor import LaneProcessor
+from consumers.runtime.shutdown import end_tasks, run_until_bound
 from consumers.runtime.sink import BatchSink, PartitionSinks
 from consumers.runtime.state_store import StateStore
 from consumers.runtime.topology import ensure_topics
@@ -95,7 +97,7 @@ class Pod:
         self._taking_over: set[asyncio.Task[None]] = set()
         #: When each outbox entry was decided (monotonic), for the time-to-sandbox histogram.
         self._decided_at: dict[str, float] = {}
-        self._throttled = False
+        self._throttle = FetchThrottle(config.driver_concurrency, config.max_batch)
         self._create_gate = CreateOrderGate(config.topics.execution_created)
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -186,38 +188,20 @@ class Pod:
         Past the bound the work in flight is cancelled: its transaction is aborted (at-least-once:
         its offsets are not committed), so the next owner of the partition re-runs it.
         """
-        loop = asyncio.ensure_future(self._loop())
-        stopper = asyncio.ensure_future(self._stop.wait())
-        try:
-            await asyncio.wait({loop, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            if not loop.done():
-                await asyncio.wait({loop}, timeout=max(0.0, self._remaining() - _CLOSE_RESERVE_S))
-            if not loop.done():
-                logger.warning(
-                    "shutdown bound reached, handing the work in flight back",
-                    extra={"podId": self.config.pod_id, "boundSeconds": self.config.shutdown_timeout_s},
-                )
-                loop.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await loop
-                return
-            loop.result()
-        finally:
-            stopper.cancel()
-            if not loop.done():
-                loop.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await loop
+
+        def bound_reached() -> None:
+            logger.warning(
+                "shutdown bound reached, handing the work in flight back",
+                extra={"podId": self.config.pod_id, "boundSeconds": self.config.shutdown_timeout_s},
+            )
+
+        await run_until_bound(
+            self._loop(), self._stop, lambda: self._remaining() - _CLOSE_RESERVE_S, bound_reached
+        )
 
     async def _stop_background(self) -> None:
         self._stop.set()  # background tasks end on the stop signal too (also when the loop raised)
-        pending = [t for t in self.background if not t.done()]
-        if pending:
-            _, late = await asyncio.wait(pending, timeout=max(0.0, self._remaining() - _CLOSE_RESERVE_S))
-            for task in late:
-                task.cancel()
-            if late:
-                await asyncio.wait(late, timeout=_CLOSE_RESERVE_S)
+        await end_tasks(self.background, self._remaining() - _CLOSE_RESERVE_S, _CLOSE_RESERVE_S)
 
     def assigned(self, assigned: set[TopicPartition]) -> None:
         """Assigned (aiokafka's coordinator calls this): start taking the partitions over, return at once.
@@ -450,19 +434,8 @@ class Pod:
         assigned = self._consumer.assignment()
         outstanding = self.effects.outstanding
         self.metrics.effects_outstanding.set(outstanding)
-        high = max(4 * self.config.driver_concurrency, 4 * self.config.max_batch)
-        low = max(self.config.driver_concurrency, self.config.max_batch)
-        if not self._throttled and outstanding >= high:
-            self._throttled = True
-            logger.warning(
-                "driver calls backing up, pausing fetch",
-                extra={"outstanding": outstanding, "resumeBelow": low},
-            )
-        elif self._throttled and outstanding < low and not self._stop.is_set():
-            self._throttled = False
-            logger.info("driver calls caught up, fetching again", extra={"outstanding": outstanding})
         # Fetch what is owned (taken over, not fenced) unless throttled or stopping; pause the rest.
-        fetching = not self._throttled and not self._stop.is_set()
+        fetching = self._throttle.fetching(outstanding, self._stop.is_set())
         resumed = [tp for tp in assigned if fetching and tp.partition in self._owned - self._fenced]
         if resumed:
             self._consumer.resume(*resumed)
