@@ -86,17 +86,22 @@ from drivers.contract import (
     SandboxScope,
     ScopedMethods,
 )
+from drivers.kubernetes_manifests import (
+    MANAGED_SELECTOR,
+    PERSISTENT_SCOPES,
+    deployment_manifest,
+    pvc_manifest,
+    pvc_name,
+    runner_env,
+    secret_manifest,
+    secret_name,
+)
 from drivers.naming import (
-    LABEL_MANAGED_BY,
     LABEL_SANDBOX_ID,
     LABEL_SCOPE,
-    MANAGED_BY_VALUE,
     sandbox_base_name,
-    sandbox_labels,
 )
-from drivers.runner_env import TOKEN_ENV, RunnerEnv, build_runner_env, scrub
-from drivers.runner_launch import RUNNER_HOME as LAUNCH_HOME
-from drivers.runner_launch import runner_command
+from drivers.runner_env import scrub
 
 # The config loaders carry no annotations; bind them as Any for strict typing.
 _load_kube_config: Any = k8s_config.load_kube_config
@@ -106,33 +111,6 @@ DRIVER_NAME: Final = "kubernetes"
 FIELD_MANAGER: Final = "sandbox-lanes"
 APPLY_CONTENT_TYPE: Final = "application/apply-patch+yaml"
 MERGE_PATCH_CONTENT_TYPE: Final = "application/merge-patch+json"
-
-CONTAINER_NAME: Final = "runner"
-RUNNER_COMMAND: Final[tuple[str, ...]] = tuple(runner_command())
-WORKSPACE_DIR: Final = "/workspace"
-RUNNER_HOME: Final = LAUNCH_HOME
-#: Rendering order of the driver-owned plain values (upstream's manifest order).
-_PLAIN_ORDER: Final[tuple[str, ...]] = (
-    "MODE",
-    "STIGMER_TASK_QUEUE",
-    "STIGMER_BACKEND_ENDPOINT",
-    "TEMPORAL_SERVICE_ADDRESS",
-    "WORKSPACE_ROOT_DIR",
-    "TEMPORAL_NAMESPACE",
-    "HOME",
-    "STIGMER_MCP_PUBLIC_ENDPOINT",
-)
-WORKSPACE_VOLUME: Final = "workspace"
-TERMINATION_GRACE_SECONDS: Final = 600
-DEFAULT_STORAGE_SIZE: Final = "10Gi"
-DEFAULT_RESOURCES: Final[dict[str, str]] = {
-    "cpu_request": "500m",
-    "memory_request": "512Mi",
-    "cpu_limit": "2",
-    "memory_limit": "2Gi",
-}
-PERSISTENT_SCOPES: Final[frozenset[SandboxScope]] = frozenset({"session", "workflow"})
-MANAGED_SELECTOR: Final = f"{LABEL_MANAGED_BY}={MANAGED_BY_VALUE}"
 
 BACKEND_ENDPOINT_REQUIRED: Final = (
     "sandbox provisioner 'kubernetes' requires STIGMER_SANDBOX_BACKEND_ENDPOINT"
@@ -144,135 +122,6 @@ TEMPORAL_ADDRESS_REQUIRED: Final = (
 )
 
 _T = TypeVar("_T")
-
-
-def secret_name(base: str) -> str:
-    return f"{base}-env"
-
-
-def pvc_name(base: str) -> str:
-    return f"{base}-workspace"
-
-
-# --------------------------------------------------------------------------- manifests (pure)
-
-
-def runner_env(config: DriverConfig, env: SandboxEnvironment) -> RunnerEnv:
-    """The shared runner env contract (``drivers.runner_env``), rooted at ``/workspace``."""
-    return build_runner_env(config, env, workspace_dir=WORKSPACE_DIR, home=RUNNER_HOME)
-
-
-def secret_manifest(
-    config: DriverConfig, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
-) -> dict[str, Any]:
-    base = sandbox_base_name(scope, sandbox_id)
-    data = {
-        k: base64.b64encode(v.encode("utf-8")).decode("ascii")
-        for k, v in runner_env(config, env).secret.items()
-    }
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": secret_name(base),
-            "namespace": config.kubernetes_namespace,
-            "labels": sandbox_labels(scope, sandbox_id),
-        },
-        "type": "Opaque",
-        "data": data,
-    }
-
-
-def pvc_manifest(config: DriverConfig, scope: SandboxScope, sandbox_id: str) -> dict[str, Any]:
-    base = sandbox_base_name(scope, sandbox_id)
-    spec: dict[str, Any] = {
-        "accessModes": ["ReadWriteOnce"],
-        "resources": {"requests": {"storage": config.options.get("storage_size") or DEFAULT_STORAGE_SIZE}},
-    }
-    storage_class = config.options.get("storage_class")
-    if storage_class:
-        spec["storageClassName"] = storage_class
-    return {
-        "apiVersion": "v1",
-        "kind": "PersistentVolumeClaim",
-        "metadata": {
-            "name": pvc_name(base),
-            "namespace": config.kubernetes_namespace,
-            "labels": sandbox_labels(scope, sandbox_id),
-        },
-        "spec": spec,
-    }
-
-
-def _container_env(config: DriverConfig, base: str, env: SandboxEnvironment) -> list[dict[str, Any]]:
-    """Plain values by value (driver-owned first, then the operator's); secrets by secretKeyRef."""
-    contract = runner_env(config, env)
-    owned = [k for k in _PLAIN_ORDER if k in contract.plain]
-    operator = [k for k in contract.plain if k not in _PLAIN_ORDER]
-    out: list[dict[str, Any]] = [{"name": k, "value": contract.plain[k]} for k in (*owned, *operator)]
-    secret_keys = [TOKEN_ENV] if TOKEN_ENV in contract.secret else []
-    secret_keys += [k for k in contract.secret if k != TOKEN_ENV]
-    out.extend(
-        {"name": k, "valueFrom": {"secretKeyRef": {"name": secret_name(base), "key": k}}} for k in secret_keys
-    )
-    return out
-
-
-def deployment_manifest(
-    config: DriverConfig, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
-) -> dict[str, Any]:
-    base = sandbox_base_name(scope, sandbox_id)
-    labels = sandbox_labels(scope, sandbox_id)
-    opts = {k: config.options.get(k) or default for k, default in DEFAULT_RESOURCES.items()}
-    volume: dict[str, Any] = (
-        {"name": WORKSPACE_VOLUME, "persistentVolumeClaim": {"claimName": pvc_name(base)}}
-        if scope in PERSISTENT_SCOPES
-        else {"name": WORKSPACE_VOLUME, "emptyDir": {}}
-    )
-    container: dict[str, Any] = {
-        "name": CONTAINER_NAME,
-        "image": config.runner_image,
-        "command": list(RUNNER_COMMAND),
-        "workingDir": WORKSPACE_DIR,
-        "env": _container_env(config, base, env),
-        "resources": {
-            "requests": {"cpu": opts["cpu_request"], "memory": opts["memory_request"]},
-            "limits": {"cpu": opts["cpu_limit"], "memory": opts["memory_limit"]},
-        },
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "runAsUser": 0,
-            "runAsGroup": 0,
-        },
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": [{"name": WORKSPACE_VOLUME, "mountPath": WORKSPACE_DIR}],
-    }
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": base, "namespace": config.kubernetes_namespace, "labels": labels},
-        "spec": {
-            "replicas": 1,
-            "strategy": {"type": "Recreate"},
-            "selector": {
-                "matchLabels": {LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_SANDBOX_ID: sandbox_id},
-            },
-            "template": {
-                "metadata": {"labels": dict(labels)},
-                "spec": {
-                    "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-                    "automountServiceAccountToken": False,
-                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
-                    "containers": [container],
-                    "volumes": [volume],
-                },
-            },
-        },
-    }
-
-
-# --------------------------------------------------------------------------- errors
 
 
 def api_error_message(exc: ApiException) -> str:

@@ -32,9 +32,8 @@ from drivers.kubernetes_driver import (
     TEMPORAL_ADDRESS_REQUIRED,
     KubernetesProvisioner,
     new_kubernetes_provisioner,
-    pvc_name,
-    secret_name,
 )
+from drivers.kubernetes_manifests import pvc_name, secret_name
 from drivers.naming import sandbox_base_name, sandbox_labels
 from drivers.registry import new_sandbox_provisioner
 

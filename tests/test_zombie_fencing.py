@@ -149,7 +149,10 @@ async def test_a_transaction_the_broker_timed_out_fences_the_producer_and_the_po
 
     caplog.set_level(logging.INFO, logger="sandbox_lanes")
     env = unique_env(
-        kafka_bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory", SANDBOX_LANES_TRANSACTION_TIMEOUT_MS="1000"
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_PROVISIONER_TYPE="memory",
+        SANDBOX_LANES_TRANSACTION_TIMEOUT_MS="1000",
     )
     topics = load_settings(env).topics
     real_commit = BatchSink.commit

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
 from consumers.runtime.pod_config import PodConfig
@@ -42,3 +44,21 @@ def group_consumer_for(cfg: PodConfig) -> AIOKafkaConsumer:
         # Range keeps partition N of every input topic on one member: co-partitioned with the state.
         partition_assignment_strategy=(RangePartitionAssignor,),
     )
+
+
+class RebalanceHooks(ConsumerRebalanceListener):  # type: ignore[misc]
+    """The group's rebalance callbacks: revoked partition numbers, then the assigned partitions."""
+
+    def __init__(
+        self,
+        revoked: Callable[[set[int]], Awaitable[None]],
+        assigned: Callable[[set[TopicPartition]], None],
+    ) -> None:
+        self._revoked = revoked
+        self._assigned = assigned
+
+    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        await self._revoked({tp.partition for tp in revoked})
+
+    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
+        self._assigned(assigned)

@@ -22,20 +22,19 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
-from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import ProducerFenced
 
 from consumers.lanes.commands import Command, CommandResult, Ensure
-from consumers.lanes.outbox import pending_of
 from consumers.runtime.backpressure import FetchThrottle
-from consumers.runtime.clients import group_consumer_for, producer_options_for
+from consumers.runtime.clients import RebalanceHooks, group_consumer_for, producer_options_for
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.partition_txn import PartitionTransaction
 from consumers.runtime.pod_config import Health, PodConfig, PodStats, assess_health
 from consumers.runtime.processor import LaneProcessor
+from consumers.runtime.recovery import restore_and_resume
 from consumers.runtime.shutdown import end_tasks, run_until_bound
 from consumers.runtime.sink import BatchSink, PartitionSinks
 from consumers.runtime.state_store import StateStore
@@ -46,17 +45,6 @@ logger = logging.getLogger("sandbox_lanes.pod")
 #: Part of the shutdown bound kept for closing the consumer and producer.
 _CLOSE_RESERVE_S = 5.0
 _Records = list[ConsumerRecord[bytes, bytes]]
-
-
-class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, pod: Pod) -> None:
-        self._pod = pod
-
-    async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        await self._pod.release({tp.partition for tp in revoked})
-
-    async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        self._pod.assigned(assigned)
 
 
 class Pod:
@@ -147,7 +135,9 @@ class Pod:
 
     def _subscribe(self) -> None:
         assert self._consumer is not None
-        self._consumer.subscribe(list(self.config.topics.inputs), listener=_Rebalance(self))
+        self._consumer.subscribe(
+            list(self.config.topics.inputs), listener=RebalanceHooks(self.release, self.assigned)
+        )
 
     async def stop(self) -> None:
         for task in list(self._taking_over):
@@ -295,7 +285,15 @@ class Pod:
         async with self._restore_lock:
             self._restoring = True
             try:
-                await self._restore_missing(partitions)
+                await restore_and_resume(
+                    partitions,
+                    owned=lambda: self._owned,
+                    config=self.config,
+                    store=self.store,
+                    effects=self.effects,
+                    stats=self.stats,
+                    metrics=self.metrics,
+                )
             finally:
                 self._restoring = False
         self.ready.set()
@@ -312,38 +310,6 @@ class Pod:
             restored=self.ready.is_set(),
             stall_after_s=stall_after_s,
         )
-
-    async def _restore_missing(self, partitions: set[int]) -> None:
-        missing = (partitions & self._owned) - self.store.owned()
-        if missing:
-            epochs = {p: self.effects.epoch(p) for p in missing}
-            report = await self.store.restore(
-                self.config.bootstrap,
-                missing,
-                isolation_level="read_committed"
-                if self.config.guarantee == "exactly_once"
-                else "read_uncommitted",
-            )
-            self.stats.restored_keys += report.keys
-            self.stats.restore_seconds += report.seconds
-            self.metrics.restored_keys.inc(report.keys)
-            self.metrics.restore_seconds.set(report.seconds)
-            # Released (or released and taken again) while reading: that read is not this epoch's.
-            stale = {p for p in missing if p not in self._owned or self.effects.epoch(p) != epochs[p]}
-            if stale:
-                self.store.drop(stale)
-                missing -= stale
-            self.metrics.state_keys.set(len(self.store))
-            resumed = 0
-            for partition in missing:
-                for key, state in self.store.partition_items(partition):
-                    for effect_id, command in pending_of(state):
-                        resumed += self.effects.submit(partition, key, effect_id, command)
-            if resumed:
-                logger.info(
-                    "outbox resumed: driver calls decided before and not completed run again",
-                    extra={"partitions": ",".join(map(str, sorted(missing))), "calls": resumed},
-                )
 
     # --- the loop ----------------------------------------------------------------------------
 
