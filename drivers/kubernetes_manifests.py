@@ -7,8 +7,6 @@ from __future__ import annotations
 import base64
 from typing import Any, Final
 
-from kubernetes import config as k8s_config
-
 from drivers.contract import (
     DriverConfig,
     SandboxEnvironment,
@@ -24,10 +22,6 @@ from drivers.naming import (
 from drivers.runner_env import TOKEN_ENV, RunnerEnv, build_runner_env
 from drivers.runner_launch import RUNNER_HOME as LAUNCH_HOME
 from drivers.runner_launch import runner_command
-
-# The config loaders carry no annotations; bind them as Any for strict typing.
-_load_kube_config: Any = k8s_config.load_kube_config
-_load_incluster_config: Any = k8s_config.load_incluster_config
 
 CONTAINER_NAME: Final = "runner"
 RUNNER_COMMAND: Final[tuple[str, ...]] = tuple(runner_command())

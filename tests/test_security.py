@@ -32,7 +32,16 @@ from consumers.tools.embedded_broker import free_port
 from drivers.naming import LABEL_SANDBOX_ID
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
-from tests.pod_harness import ROOT, PodProcess, Received, produce, read_topic, unique_env
+from tests.pod_harness import (
+    ROOT,
+    PodProcess,
+    Received,
+    produce,
+    read_topic,
+    unique_env,
+    wf_created,
+    wf_terminal,
+)
 from tests.proc_util import runner_pids
 
 pytestmark = [pytest.mark.kafka, pytest.mark.usefixtures("no_leaked_runners")]
@@ -210,14 +219,7 @@ async def test_no_pod_secret_reaches_a_local_process_runner_and_a_file_loaded_ke
     pod.start()
     try:
         await pod.wait_for_log("state restored")
-        await produce(
-            kafka_bootstrap,
-            env,
-            inputs_pb2.ExecutionCreated(
-                meta=new_meta(), kind=common_pb2.WORKFLOW_EXECUTION, execution_id=wf,
-                workflow_execution_target=common_pb2.CLOUD, caller_identity_id="ida_sec",
-            ),
-        )  # fmt: skip
+        await produce(kafka_bootstrap, env, wf_created(wf))
         provisioned = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
         assert getattr(provisioned[0].message, "token_minted", False), provisioned
         (pid,) = runner_pids(f"wfexec:{wf}")
@@ -226,14 +228,7 @@ async def test_no_pod_secret_reaches_a_local_process_runner_and_a_file_loaded_ke
             for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             if b"=" in item
         )
-        await produce(
-            kafka_bootstrap,
-            env,
-            inputs_pb2.PhaseChanged(
-                meta=new_meta(), kind=common_pb2.WORKFLOW_EXECUTION, execution_id=wf,
-                previous_phase=common_pb2.EXECUTION_IN_PROGRESS, new_phase=common_pb2.EXECUTION_COMPLETED,
-            ),
-        )  # fmt: skip
+        await produce(kafka_bootstrap, env, wf_terminal(wf))
         await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
     finally:
         code, _ = await asyncio.to_thread(pod.terminate)
