@@ -290,3 +290,53 @@ async def test_a_killed_pod_restarts_recovers_state_from_the_compacted_topic_and
     assert code == 0 and seconds < 30
     dead = await read_topic(kafka_bootstrap, topics.dead_letter, settle_s=0.5, timeout_s=5)
     assert dead == []
+
+
+async def test_a_recovered_workflow_gets_a_runner_again_through_kafka(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """FAILED tears the workflow's runner down; the recover (FAILED -> IN_PROGRESS) ensures it again,
+    under the same deterministic name, with a real runner process; a terminal write re-sent under
+    a new event id does not tear down twice."""
+    env = unique_env(kafka_bootstrap, tmp_path)
+    topics = load_settings(env).topics
+    wf = f"wfx_recover_{RUN}"
+    queue = f"wfexec:{wf}"
+    async with running_pod(env):
+        await produce(kafka_bootstrap, env, wf_created(wf))
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
+        assert len(runner_pids(queue)) == 1
+        await produce(
+            kafka_bootstrap,
+            env,
+            wf_phase(wf, common_pb2.EXECUTION_PENDING, common_pb2.EXECUTION_IN_PROGRESS),
+            wf_phase(
+                wf, common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_FAILED, error="step 3 failed"
+            ),
+        )
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
+        assert runner_pids(queue) == []
+        await produce(
+            kafka_bootstrap, env, wf_phase(wf, common_pb2.EXECUTION_FAILED, common_pb2.EXECUTION_IN_PROGRESS)
+        )
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=3)
+        assert len(runner_pids(queue)) == 1
+        states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=1))
+        assert states[wf].phase == common_pb2.EXECUTION_IN_PROGRESS and states[wf].status_error == ""
+        # The end, written twice (the second under a new id, as a retrying producer would).
+        done = wf_phase(wf, common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_COMPLETED)
+        await produce(
+            kafka_bootstrap,
+            env,
+            done,
+            wf_phase(wf, common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_COMPLETED),
+        )
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=4, settle_s=2.0)
+    assert outcome_types(outcomes) == [
+        "SandboxProvisioned",
+        "SandboxDeprovisioned",
+        "SandboxProvisioned",
+        "SandboxDeprovisioned",
+    ]
+    assert len({r.message.sandbox.name for r in outcomes}) == 1  # type: ignore[union-attr]
+    assert runner_pids(queue) == []

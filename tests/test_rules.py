@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 from consumers.lanes.commands import CommandResult, Deprovision, Ensure, LaneConfig, StateView
 from consumers.lanes.constants import (
     SANDBOX_PROVISIONING_FAILED_PREFIX,
@@ -210,3 +212,127 @@ async def test_default_mint_binds_the_agent_execution_id_on_the_execution_scoped
     provisioner = FakeProvisioner()
     await lane_processor(provisioner, credentials).process(agent_created(), StateView(None))
     assert credentials.mints == [("execution_scoped", "axr_1", 14400)]
+
+
+# --- the stored phase decides (spec 2.4), recover (spec 2.7) -----------------------------------
+
+T0 = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+
+
+def _at(seconds: int) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+def wf_created_event(execution_id: str = "wfx_r", caller_class: str = "user") -> inputs_pb2.ExecutionCreated:
+    return inputs_pb2.ExecutionCreated(
+        meta=new_meta(occurred_at=_at(0)),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id=execution_id,
+        org="org_1",
+        workflow_execution_target=common_pb2.CLOUD,
+        caller_identity_id="ida_1",
+        caller_class=caller_class,
+    )
+
+
+def wf_phase(
+    new: int, previous: int = common_pb2.EXECUTION_IN_PROGRESS, at: int = 1, error: str = ""
+) -> inputs_pb2.PhaseChanged:
+    return inputs_pb2.PhaseChanged(
+        meta=new_meta(occurred_at=_at(at)),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id="wfx_r",
+        previous_phase=previous,  # type: ignore[arg-type]
+        new_phase=new,  # type: ignore[arg-type]
+        error=error,
+    )
+
+
+def _apply(
+    state: state_pb2.ExecutionState | None, event: object
+) -> tuple[state_pb2.ExecutionState, tuple[object, ...]]:
+    decision = decide(event, StateView(state), CONFIG)  # type: ignore[arg-type]
+    assert decision.reject is None and decision.state is not None, decision
+    return decision.state, decision.commands
+
+
+def test_a_recovered_workflow_gets_its_sandbox_ensured_again_critical_same_name_error_cleared() -> None:
+    state, commands = _apply(None, wf_created_event())
+    (first,) = commands
+    state, commands = _apply(
+        state, wf_phase(common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_PENDING, at=1)
+    )
+    assert commands == ()
+    state, commands = _apply(state, wf_phase(common_pb2.EXECUTION_FAILED, at=2, error="boom"))
+    assert [type(c) for c in commands] == [Deprovision] and state.status_error == "boom"
+    state.ClearField("pending")  # the teardown completed
+    state, commands = _apply(
+        state, wf_phase(common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_FAILED, at=3)
+    )
+    (again,) = commands
+    assert isinstance(again, Ensure) and again == first  # same sandbox, queue, caller, mint, critical
+    assert again.critical and again.sandbox_id == "wfx_r" and again.mint.caller_identity_id == "ida_1"
+    assert state.phase == common_pb2.EXECUTION_IN_PROGRESS and state.status_error == ""
+    # Its outbox entry is a new one (the id derives from the recover event), so it runs and completes.
+    assert len(state.pending) == 1 and state.pending[0].op == state_pb2.EFFECT_OP_ENSURE
+
+
+def test_a_recovered_agent_execution_re_ensures_its_session_sandbox_non_critical() -> None:
+    created = agent_created("e1")
+    created.meta.occurred_at.FromDatetime(_at(0))
+    state, commands = _apply(None, created)
+    (first,) = commands
+
+    def agent_phase(new: int, at: int) -> inputs_pb2.PhaseChanged:
+        return inputs_pb2.PhaseChanged(
+            meta=new_meta(occurred_at=_at(at)),
+            kind=common_pb2.AGENT_EXECUTION,
+            execution_id="axr_1",
+            new_phase=new,  # type: ignore[arg-type]
+        )
+
+    state.ClearField("pending")
+    state, commands = _apply(state, agent_phase(common_pb2.EXECUTION_FAILED, 1))
+    assert commands == ()  # session sandboxes outlive their executions
+    state, commands = _apply(state, agent_phase(common_pb2.EXECUTION_IN_PROGRESS, 2))
+    assert commands == (first,) and isinstance(first, Ensure) and not first.critical
+    # Recover of an execution already IN_PROGRESS is upstream's idempotent no-op.
+    state.ClearField("pending")
+    _, commands = _apply(state, agent_phase(common_pb2.EXECUTION_IN_PROGRESS, 3))
+    assert commands == ()
+
+
+def test_the_observer_judges_the_transition_by_the_stored_phase_not_the_producers_word() -> None:
+    state, _ = _apply(None, wf_created_event())
+    state.ClearField("pending")
+    state, commands = _apply(state, wf_phase(common_pb2.EXECUTION_COMPLETED, at=2))
+    assert [type(c) for c in commands] == [Deprovision]
+    state.ClearField("pending")
+    # The same terminal write re-sent under a new event id (the producer still says IN_PROGRESS
+    # before it): the stored phase is already COMPLETED, no second teardown.
+    state, commands = _apply(state, wf_phase(common_pb2.EXECUTION_COMPLETED, at=3))
+    assert commands == ()
+    # A producer that says FAILED -> FAILED while the store holds PENDING did move the execution.
+    fresh, _ = _apply(None, wf_created_event("wfx_r"))
+    fresh.ClearField("pending")
+    _, commands = _apply(fresh, wf_phase(common_pb2.EXECUTION_FAILED, common_pb2.EXECUTION_FAILED, at=2))
+    assert [type(c) for c in commands] == [Deprovision]
+
+
+def test_a_stale_phase_change_moves_nothing_backwards() -> None:
+    state, _ = _apply(None, wf_created_event())
+    state.ClearField("pending")
+    state, commands = _apply(state, wf_phase(common_pb2.EXECUTION_COMPLETED, at=10))
+    state.ClearField("pending")
+    # An IN_PROGRESS written before the COMPLETED, delivered after it.
+    late, commands = _apply(
+        state, wf_phase(common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_PENDING, at=5)
+    )
+    assert commands == () and late.phase == common_pb2.EXECUTION_COMPLETED
+    assert late.applied_count == state.applied_count + 1  # applied (its id is remembered), moved nothing
+
+
+def test_a_phase_change_without_a_new_phase_goes_to_the_dead_letter_topic() -> None:
+    state, _ = _apply(None, wf_created_event())
+    decision = decide(wf_phase(common_pb2.EXECUTION_PHASE_UNSPECIFIED), StateView(state), CONFIG)
+    assert decision.reject == "phase-changed for 'wfx_r' has no new_phase" and decision.state is None

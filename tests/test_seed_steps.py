@@ -259,12 +259,16 @@ async def test_workflow_lane_a_provisioning_failure_is_critical_unavailable_the_
 P = common_pb2
 
 
-def created_workflow_state(execution_id: str) -> state_pb2.ExecutionState:
+def created_workflow_state(
+    execution_id: str, phase: int = P.EXECUTION_IN_PROGRESS
+) -> state_pb2.ExecutionState:
+    """A created workflow whose stored phase is ``phase``: upstream's observer is handed the
+    previous phase read under the write lock, i.e. the stored one."""
     return state_pb2.ExecutionState(
         execution_id=execution_id,
         kind=common_pb2.WORKFLOW_EXECUTION,
         created=True,
-        phase=P.EXECUTION_IN_PROGRESS,
+        phase=phase,  # type: ignore[arg-type]
     )
 
 
@@ -289,7 +293,8 @@ async def test_terminal_observer_deprovisions_on_every_transition_into_a_termina
     ]
     for execution_id, previous, current in transitions:
         await processor.process(
-            phase_changed(execution_id, previous, current), StateView(created_workflow_state(execution_id))
+            phase_changed(execution_id, previous, current),
+            StateView(created_workflow_state(execution_id, previous)),
         )
     assert [d[1] for d in provisioner.deprovisioned] == ["wfx_1", "wfx_2", "wfx_3", "wfx_4"]
     assert all(d[0] == "workflow" for d in provisioner.deprovisioned)
@@ -300,15 +305,15 @@ async def test_terminal_observer_ignores_non_terminal_phases_non_transitions_and
     processor = lane_processor(provisioner)
     await processor.process(
         phase_changed("wfx_a", P.EXECUTION_PENDING, P.EXECUTION_IN_PROGRESS),
-        StateView(created_workflow_state("wfx_a")),
+        StateView(created_workflow_state("wfx_a", P.EXECUTION_PENDING)),
     )
     await processor.process(
         phase_changed("wfx_b", P.EXECUTION_FAILED, P.EXECUTION_FAILED),
-        StateView(created_workflow_state("wfx_b")),
+        StateView(created_workflow_state("wfx_b", P.EXECUTION_FAILED)),
     )
     await processor.process(
         phase_changed("wfx_p", P.EXECUTION_IN_PROGRESS, P.EXECUTION_PAUSED),
-        StateView(created_workflow_state("wfx_p")),
+        StateView(created_workflow_state("wfx_p", P.EXECUTION_IN_PROGRESS)),
     )
     disabled = lane_processor(provisioner, enabled=False)
     await disabled.process(

@@ -74,7 +74,7 @@ def decide(event: InputEvent, stored: StateView, config: LaneConfig) -> Decision
     if isinstance(event, inputs_pb2.ExecutionCreated):
         decision = _decide_created(event, current, config)
     elif isinstance(event, inputs_pb2.PhaseChanged):
-        decision = _decide_phase_changed(event, current)
+        decision = _decide_phase_changed(event, current, config)
     else:
         decision = _decide_session_deleted(event, current)
     if decision.commands:
@@ -128,6 +128,8 @@ def _decide_created(
     state.kind = kind
     state.session_id = event.session_id
     state.org = event.org
+    state.created_event.CopyFrom(event)
+    state.created_event.ClearField("meta")
     if kind == common_pb2.AGENT_EXECUTION:
         return _session_lane(event, state, config)
     return _workflow_lane(event, state, config)
@@ -175,7 +177,7 @@ def _workflow_lane(
 
 
 def _decide_phase_changed(
-    event: inputs_pb2.PhaseChanged, current: state_pb2.ExecutionState | None
+    event: inputs_pb2.PhaseChanged, current: state_pb2.ExecutionState | None, config: LaneConfig
 ) -> Decision:
     if current is None or not current.created:
         return Decision(
@@ -196,9 +198,40 @@ def _decide_phase_changed(
             ),
         )
     execution_id = event.execution_id
-    state = _applied(current, execution_id, event)
     new_phase = event.new_phase
+    if new_phase == common_pb2.EXECUTION_PHASE_UNSPECIFIED:
+        return Decision(
+            event=event, state=None, reject=f"phase-changed for '{execution_id}' has no new_phase"
+        )
+    # The transition is judged against the stored phase, as upstream computes the previous phase
+    # under the write lock; the producer's previous_phase is its own view and only informative.
+    previous = current.phase
+    state = _applied(current, execution_id, event)
+    meta = event.meta
+    if meta.HasField("occurred_at") and current.HasField("phase_changed_at"):
+        at, stored_at = meta.occurred_at, current.phase_changed_at
+        if (at.seconds, at.nanos) < (stored_at.seconds, stored_at.nanos):
+            # Written before the phase now stored (a late retry, a replayed producer): it moves
+            # nothing, so a stale write can neither revive a terminal execution nor tear down twice.
+            stale = LogIntent(
+                "info",
+                "stale phase change ignored",
+                {
+                    "executionId": execution_id,
+                    "phase": common_pb2.ExecutionPhase.Name(new_phase),
+                    "storedPhase": common_pb2.ExecutionPhase.Name(previous),
+                },
+            )
+            return Decision(event, state, (), (stale,))
+        state.phase_changed_at.CopyFrom(at)
+    elif meta.HasField("occurred_at"):
+        state.phase_changed_at.CopyFrom(meta.occurred_at)
     state.phase = new_phase
+    recover = previous == common_pb2.EXECUTION_FAILED and new_phase == common_pb2.EXECUTION_IN_PROGRESS
+    if recover:
+        # Upstream's recover persists IN_PROGRESS with the error cleared.
+        state.status_error = ""
+        state.deferred_status_error = ""
     error = event.error
     if error and not state.status_error:
         if _session_ensure_pending(state):
@@ -208,12 +241,22 @@ def _decide_phase_changed(
                 state.deferred_status_error = error
         else:
             state.status_error = error
-    if (
-        kind == common_pb2.WORKFLOW_EXECUTION
-        and event.previous_phase != new_phase
-        and new_phase in TERMINAL_WORKFLOW_PHASES
-    ):
+    if previous == new_phase:
+        return Decision(event, state)  # no transition (e.g. FAILED -> FAILED re-sent): nothing fires
+    if kind == common_pb2.WORKFLOW_EXECUTION and new_phase in TERMINAL_WORKFLOW_PHASES:
         return Decision(event, state, (Deprovision("workflow", execution_id, new_phase),))
+    if recover and current.HasField("created_event"):
+        # Recover re-runs the execution's lane from its create: the workflow lane ensures the
+        # (deprovisioned on FAILED) sandbox again, critical; the session lane re-ensures the
+        # session's sandbox. Same deterministic names; the commands' ids derive from this event.
+        created = inputs_pb2.ExecutionCreated()
+        created.CopyFrom(current.created_event)
+        created.meta.CopyFrom(meta)
+        if kind == common_pb2.AGENT_EXECUTION:
+            lane = _session_lane(created, state, config)
+        else:
+            lane = _workflow_lane(created, state, config)
+        return Decision(event, state, lane.commands, lane.logs)
     # Session sandboxes are long-lived: an agent execution's terminal phase tears nothing down.
     return Decision(event, state)
 

@@ -24,23 +24,24 @@ _sym_db = _symbol_database.Default()
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from events.sandbox_lanes.v1 import common_pb2 as events_dot_sandbox__lanes_dot_v1_dot_common__pb2
+from events.sandbox_lanes.v1 import inputs_pb2 as events_dot_sandbox__lanes_dot_v1_dot_inputs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#events/sandbox_lanes/v1/state.proto\x12\x10sandbox_lanes.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a$events/sandbox_lanes/v1/common.proto\"\x9f\x01\n\rSandboxStatus\x12-\n\x07sandbox\x18\x01 \x01(\x0b\x32\x1c.sandbox_lanes.v1.SandboxRef\x12\x35\n\tlifecycle\x18\x02 \x01(\x0e\x32\".sandbox_lanes.v1.SandboxLifecycle\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x18\n\x10outcome_event_id\x18\x04 \x01(\t\"\xbd\x03\n\rPendingEffect\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12&\n\x02op\x18\x02 \x01(\x0e\x32\x1a.sandbox_lanes.v1.EffectOp\x12-\n\x05scope\x18\x03 \x01(\x0e\x32\x1e.sandbox_lanes.v1.SandboxScope\x12\x12\n\nsandbox_id\x18\x04 \x01(\t\x12\x12\n\ntask_queue\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61ller_class\x18\x06 \x01(\t\x12\x10\n\x08\x63ritical\x18\x07 \x01(\x08\x12/\n\x05phase\x18\x08 \x01(\x0e\x32 .sandbox_lanes.v1.ExecutionPhase\x12\x14\n\x0c\x63\x61usation_id\x18\t \x01(\t\x12/\n\x0boccurred_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nmint_scope\x18\x0b \x01(\t\x12\x17\n\x0fmint_session_id\x18\x0c \x01(\t\x12\x19\n\x11mint_execution_id\x18\r \x01(\t\x12\x10\n\x08mint_org\x18\x0e \x01(\t\x12\x1f\n\x17mint_caller_identity_id\x18\x0f \x01(\t\"\xcd\x03\n\x0e\x45xecutionState\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\t\x12-\n\x04kind\x18\x03 \x01(\x0e\x32\x1f.sandbox_lanes.v1.ExecutionKind\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0b\n\x03org\x18\x05 \x01(\t\x12\x0f\n\x07\x63reated\x18\x06 \x01(\x08\x12/\n\x05phase\x18\x07 \x01(\x0e\x32 .sandbox_lanes.v1.ExecutionPhase\x12\x14\n\x0cstatus_error\x18\x08 \x01(\t\x12\x32\n\tsandboxes\x18\t \x03(\x0b\x32\x1f.sandbox_lanes.v1.SandboxStatus\x12\x19\n\x11\x61pplied_event_ids\x18\n \x03(\t\x12.\n\nupdated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rapplied_count\x18\x0c \x01(\x04\x12\x30\n\x07pending\x18\r \x03(\x0b\x32\x1f.sandbox_lanes.v1.PendingEffect\x12\x1d\n\x15\x64\x65\x66\x65rred_status_error\x18\x0e \x01(\t*\x9a\x01\n\x10SandboxLifecycle\x12!\n\x1dSANDBOX_LIFECYCLE_UNSPECIFIED\x10\x00\x12\x17\n\x13SANDBOX_PROVISIONED\x10\x01\x12\x12\n\x0eSANDBOX_FAILED\x10\x02\x12\x19\n\x15SANDBOX_DEPROVISIONED\x10\x03\x12\x1b\n\x17SANDBOX_TEARDOWN_FAILED\x10\x04*V\n\x08\x45\x66\x66\x65\x63tOp\x12\x19\n\x15\x45\x46\x46\x45\x43T_OP_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45\x46\x46\x45\x43T_OP_ENSURE\x10\x01\x12\x19\n\x15\x45\x46\x46\x45\x43T_OP_DEPROVISION\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#events/sandbox_lanes/v1/state.proto\x12\x10sandbox_lanes.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a$events/sandbox_lanes/v1/common.proto\x1a$events/sandbox_lanes/v1/inputs.proto\"\x9f\x01\n\rSandboxStatus\x12-\n\x07sandbox\x18\x01 \x01(\x0b\x32\x1c.sandbox_lanes.v1.SandboxRef\x12\x35\n\tlifecycle\x18\x02 \x01(\x0e\x32\".sandbox_lanes.v1.SandboxLifecycle\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x18\n\x10outcome_event_id\x18\x04 \x01(\t\"\xbd\x03\n\rPendingEffect\x12\x12\n\ncommand_id\x18\x01 \x01(\t\x12&\n\x02op\x18\x02 \x01(\x0e\x32\x1a.sandbox_lanes.v1.EffectOp\x12-\n\x05scope\x18\x03 \x01(\x0e\x32\x1e.sandbox_lanes.v1.SandboxScope\x12\x12\n\nsandbox_id\x18\x04 \x01(\t\x12\x12\n\ntask_queue\x18\x05 \x01(\t\x12\x14\n\x0c\x63\x61ller_class\x18\x06 \x01(\t\x12\x10\n\x08\x63ritical\x18\x07 \x01(\x08\x12/\n\x05phase\x18\x08 \x01(\x0e\x32 .sandbox_lanes.v1.ExecutionPhase\x12\x14\n\x0c\x63\x61usation_id\x18\t \x01(\t\x12/\n\x0boccurred_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nmint_scope\x18\x0b \x01(\t\x12\x17\n\x0fmint_session_id\x18\x0c \x01(\t\x12\x19\n\x11mint_execution_id\x18\r \x01(\t\x12\x10\n\x08mint_org\x18\x0e \x01(\t\x12\x1f\n\x17mint_caller_identity_id\x18\x0f \x01(\t\"\xbe\x04\n\x0e\x45xecutionState\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\t\x12-\n\x04kind\x18\x03 \x01(\x0e\x32\x1f.sandbox_lanes.v1.ExecutionKind\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x0b\n\x03org\x18\x05 \x01(\t\x12\x0f\n\x07\x63reated\x18\x06 \x01(\x08\x12/\n\x05phase\x18\x07 \x01(\x0e\x32 .sandbox_lanes.v1.ExecutionPhase\x12\x14\n\x0cstatus_error\x18\x08 \x01(\t\x12\x32\n\tsandboxes\x18\t \x03(\x0b\x32\x1f.sandbox_lanes.v1.SandboxStatus\x12\x19\n\x11\x61pplied_event_ids\x18\n \x03(\t\x12.\n\nupdated_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x15\n\rapplied_count\x18\x0c \x01(\x04\x12\x30\n\x07pending\x18\r \x03(\x0b\x32\x1f.sandbox_lanes.v1.PendingEffect\x12\x1d\n\x15\x64\x65\x66\x65rred_status_error\x18\x0e \x01(\t\x12\x39\n\rcreated_event\x18\x0f \x01(\x0b\x32\".sandbox_lanes.v1.ExecutionCreated\x12\x34\n\x10phase_changed_at\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp*\x9a\x01\n\x10SandboxLifecycle\x12!\n\x1dSANDBOX_LIFECYCLE_UNSPECIFIED\x10\x00\x12\x17\n\x13SANDBOX_PROVISIONED\x10\x01\x12\x12\n\x0eSANDBOX_FAILED\x10\x02\x12\x19\n\x15SANDBOX_DEPROVISIONED\x10\x03\x12\x1b\n\x17SANDBOX_TEARDOWN_FAILED\x10\x04*V\n\x08\x45\x66\x66\x65\x63tOp\x12\x19\n\x15\x45\x46\x46\x45\x43T_OP_UNSPECIFIED\x10\x00\x12\x14\n\x10\x45\x46\x46\x45\x43T_OP_ENSURE\x10\x01\x12\x19\n\x15\x45\x46\x46\x45\x43T_OP_DEPROVISION\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'events.sandbox_lanes.v1.state_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SANDBOXLIFECYCLE']._serialized_start=1203
-  _globals['_SANDBOXLIFECYCLE']._serialized_end=1357
-  _globals['_EFFECTOP']._serialized_start=1359
-  _globals['_EFFECTOP']._serialized_end=1445
-  _globals['_SANDBOXSTATUS']._serialized_start=129
-  _globals['_SANDBOXSTATUS']._serialized_end=288
-  _globals['_PENDINGEFFECT']._serialized_start=291
-  _globals['_PENDINGEFFECT']._serialized_end=736
-  _globals['_EXECUTIONSTATE']._serialized_start=739
-  _globals['_EXECUTIONSTATE']._serialized_end=1200
+  _globals['_SANDBOXLIFECYCLE']._serialized_start=1354
+  _globals['_SANDBOXLIFECYCLE']._serialized_end=1508
+  _globals['_EFFECTOP']._serialized_start=1510
+  _globals['_EFFECTOP']._serialized_end=1596
+  _globals['_SANDBOXSTATUS']._serialized_start=167
+  _globals['_SANDBOXSTATUS']._serialized_end=326
+  _globals['_PENDINGEFFECT']._serialized_start=329
+  _globals['_PENDINGEFFECT']._serialized_end=774
+  _globals['_EXECUTIONSTATE']._serialized_start=777
+  _globals['_EXECUTIONSTATE']._serialized_end=1351
 # @@protoc_insertion_point(module_scope)

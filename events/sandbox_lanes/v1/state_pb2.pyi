@@ -5,6 +5,7 @@ The value of the compacted execution-state topic, keyed by execution id."""
 
 from collections import abc as _abc
 from events.sandbox_lanes.v1 import common_pb2 as _common_pb2
+from events.sandbox_lanes.v1 import inputs_pb2 as _inputs_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
@@ -179,6 +180,8 @@ class ExecutionState(_message.Message):
     APPLIED_COUNT_FIELD_NUMBER: _builtins.int
     PENDING_FIELD_NUMBER: _builtins.int
     DEFERRED_STATUS_ERROR_FIELD_NUMBER: _builtins.int
+    CREATED_EVENT_FIELD_NUMBER: _builtins.int
+    PHASE_CHANGED_AT_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     execution_id: _builtins.str
     kind: _common_pb2.ExecutionKind.ValueType
@@ -207,6 +210,18 @@ class ExecutionState(_message.Message):
     def pending(self) -> _containers.RepeatedCompositeFieldContainer[Global___PendingEffect]:
         """Driver calls decided and not yet completed, in decision order."""
 
+    @_builtins.property
+    def created_event(self) -> _inputs_pb2.ExecutionCreated:
+        """The create as applied (without its meta): what a recover (FAILED -> IN_PROGRESS) re-runs
+        its lane from.
+        """
+
+    @_builtins.property
+    def phase_changed_at(self) -> _timestamp_pb2.Timestamp:
+        """When the stored phase was written (the phase change's occurred_at): an older phase change
+        arriving later is stale and moves nothing.
+        """
+
     def __init__(
         self,
         *,
@@ -224,10 +239,12 @@ class ExecutionState(_message.Message):
         applied_count: _builtins.int = ...,
         pending: _abc.Iterable[Global___PendingEffect] | None = ...,
         deferred_status_error: _builtins.str = ...,
+        created_event: _inputs_pb2.ExecutionCreated | None = ...,
+        phase_changed_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_event", b"created_event", "phase_changed_at", b"phase_changed_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "created", b"created", "deferred_status_error", b"deferred_status_error", "execution_id", b"execution_id", "kind", b"kind", "org", b"org", "pending", b"pending", "phase", b"phase", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "created", b"created", "created_event", b"created_event", "deferred_status_error", b"deferred_status_error", "execution_id", b"execution_id", "kind", b"kind", "org", b"org", "pending", b"pending", "phase", b"phase", "phase_changed_at", b"phase_changed_at", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
