@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import posixpath
 
-from drivers import docker_driver, kubernetes_driver
+from drivers import docker_driver, kubernetes_manifests
 from drivers.contract import DriverConfig, SandboxEnvironment
 from drivers.runner_env import build_runner_env
 from drivers.runner_launch import (
@@ -32,7 +32,7 @@ def test_starts_both_entries_through_the_layers_start_script_by_absolute_path() 
     assert waiter_command() == ["/runner/bin/start", "/runner/dist/attach/main.js"]
     assert all(posixpath.isabs(p) for p in [*runner_command(), *waiter_command()])
     assert (docker_driver.RUNNER_ENTRYPOINT, docker_driver.RUNNER_COMMAND) == (RUNNER_START, RUNNER_MAIN)
-    assert list(kubernetes_driver.RUNNER_COMMAND) == runner_command()
+    assert list(kubernetes_manifests.RUNNER_COMMAND) == runner_command()
 
 
 def test_keeps_the_runners_node_beside_the_start_script_that_execs_it() -> None:
@@ -43,7 +43,7 @@ def test_keeps_the_runners_node_beside_the_start_script_that_execs_it() -> None:
 def test_runs_the_runner_as_root_with_roots_home() -> None:
     assert RUNNER_UID == 0 and RUNNER_HOME == "/root"
     assert docker_driver.CONTAINER_USER == "0:0" and docker_driver.CONTAINER_HOME == "/root"
-    assert kubernetes_driver.RUNNER_HOME == "/root"
+    assert kubernetes_manifests.RUNNER_HOME == "/root"
 
 
 def test_keeps_the_waiter_beside_the_runner_it_starts() -> None:
