@@ -272,9 +272,71 @@ def test_a_recovered_workflow_gets_its_sandbox_ensured_again_critical_same_name_
     (again,) = commands
     assert isinstance(again, Ensure) and again == first  # same sandbox, queue, caller, mint, critical
     assert again.critical and again.sandbox_id == "wfx_r" and again.mint.caller_identity_id == "ida_1"
-    assert state.phase == common_pb2.EXECUTION_IN_PROGRESS and state.status_error == ""
-    # Its outbox entry is a new one (the id derives from the recover event), so it runs and completes.
-    assert len(state.pending) == 1 and state.pending[0].op == state_pb2.EFFECT_OP_ENSURE
+    assert state.phase == common_pb2.EXECUTION_IN_PROGRESS
+    # Its outbox entry is a new one (the id derives from the recover event), marked as a recover.
+    (entry,) = state.pending
+    assert entry.op == state_pb2.EFFECT_OP_ENSURE and entry.recover
+    # Upstream clears the error when it persists the recovered execution, after the ensure.
+    assert state.status_error == "boom"
+    done = complete_effect(state, entry.command_id, CommandResult(ok=True, probe_state="running"), CONFIG)
+    assert done.state is not None and done.state.status_error == "" and not done.state.pending
+
+
+def test_a_refused_recover_leaves_the_workflow_failed_with_its_error_and_can_be_retried() -> None:
+    state, _ = _apply(None, wf_created_event())
+    state.ClearField("pending")
+    state, _ = _apply(state, wf_phase(common_pb2.EXECUTION_FAILED, at=2, error="boom"))
+    state.ClearField("pending")
+    state, _ = _apply(state, wf_phase(common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_FAILED, at=3))
+    refused = complete_effect(
+        state, state.pending[0].command_id, CommandResult(ok=False, error="no capacity"), CONFIG
+    )
+    assert refused.state is not None
+    (failed,) = refused.outputs
+    assert isinstance(failed, outcomes_pb2.SandboxFailed) and failed.critical
+    assert refused.state.phase == common_pb2.EXECUTION_FAILED and refused.state.status_error == "boom"
+    assert refused.state.refusal_reason == "no capacity" and not refused.state.refused
+    _, commands = _apply(
+        refused.state, wf_phase(common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_FAILED, at=4)
+    )
+    assert [type(c) for c in commands] == [Ensure]  # retried
+
+
+def test_a_refused_create_is_recorded_and_its_terminal_phase_tears_nothing_down() -> None:
+    state, commands = _apply(None, wf_created_event())
+    refused = complete_effect(
+        state, state.pending[0].command_id, CommandResult(ok=False, error="no capacity"), CONFIG
+    )
+    assert (
+        refused.state is not None and refused.state.refused and refused.state.refusal_reason == "no capacity"
+    )
+    _, commands = _apply(
+        refused.state, wf_phase(common_pb2.EXECUTION_FAILED, common_pb2.EXECUTION_PENDING, at=2)
+    )
+    assert commands == ()
+
+
+def test_an_agent_recover_clears_the_error_even_when_its_session_ensure_fails() -> None:
+    created = agent_created("e1")
+    state, _ = _apply(None, created)
+    state.ClearField("pending")
+    failed_phase = inputs_pb2.PhaseChanged(
+        meta=new_meta(), kind=common_pb2.AGENT_EXECUTION, execution_id="axr_1",
+        new_phase=common_pb2.EXECUTION_FAILED, error="model refused",
+    )  # fmt: skip
+    state, _ = _apply(state, failed_phase)
+    assert state.status_error == "model refused"
+    recover = inputs_pb2.PhaseChanged(
+        meta=new_meta(), kind=common_pb2.AGENT_EXECUTION, execution_id="axr_1",
+        new_phase=common_pb2.EXECUTION_IN_PROGRESS,
+    )  # fmt: skip
+    state, _ = _apply(state, recover)
+    assert state.status_error == ""
+    out = complete_effect(state, state.pending[0].command_id, CommandResult(ok=False, error="quota"), CONFIG)
+    assert out.state is not None and out.state.status_error == ""  # no pre-stamp: upstream clears after
+    (failed,) = out.outputs
+    assert isinstance(failed, outcomes_pb2.SandboxFailed) and not failed.critical
+    assert out.state.phase == common_pb2.EXECUTION_IN_PROGRESS
 
 
 def test_a_recovered_agent_execution_re_ensures_its_session_sandbox_non_critical() -> None:

@@ -252,6 +252,9 @@ async def test_workflow_lane_a_provisioning_failure_is_critical_unavailable_the_
     assert failed.code == common_pb2.STATUS_CODE_UNAVAILABLE
     assert failed.message == "failed to provision workflow sandbox"
     assert failed.reason == "no capacity"
+    # "The create refused": recorded in the execution's state, with the reason.
+    state = processed.outcome.state
+    assert state is not None and state.refused and state.refusal_reason == "no capacity"
 
 
 # --- the terminal observer -----------------------------------------------------------------------

@@ -7,7 +7,7 @@ from consumers.lanes.commands import SCOPE_ENUM, Command, Decision, Deprovision,
 from consumers.lanes.credentials import SandboxCredentialRequest
 from drivers.contract import SandboxScope
 from events.codec import InputEvent, derived_event_id
-from events.sandbox_lanes.v1 import state_pb2
+from events.sandbox_lanes.v1 import inputs_pb2, state_pb2
 
 
 def command_id(causation_id: str, command: Command) -> str:
@@ -39,6 +39,8 @@ def fill_pending(state: state_pb2.ExecutionState, event: InputEvent, commands: t
             entry.mint_execution_id = mint.execution_id
             entry.mint_org = mint.org
             entry.mint_caller_identity_id = mint.caller_identity_id
+            # Only a recover decides an ensure from a phase change.
+            entry.recover = isinstance(event, inputs_pb2.PhaseChanged)
         else:
             entry.op = state_pb2.EFFECT_OP_DEPROVISION
             entry.phase = command.phase  # type: ignore[assignment]

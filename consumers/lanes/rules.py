@@ -228,8 +228,10 @@ def _decide_phase_changed(
         state.phase_changed_at.CopyFrom(meta.occurred_at)
     state.phase = new_phase
     recover = previous == common_pb2.EXECUTION_FAILED and new_phase == common_pb2.EXECUTION_IN_PROGRESS
-    if recover:
-        # Upstream's recover persists IN_PROGRESS with the error cleared.
+    if recover and kind == common_pb2.AGENT_EXECUTION:
+        # Upstream's agent recover persists IN_PROGRESS with the error cleared whatever its
+        # (non-critical) session ensure did. A workflow's error is cleared once its critical
+        # ensure succeeded: a refused recover leaves the execution FAILED, error and all.
         state.status_error = ""
         state.deferred_status_error = ""
     error = event.error
@@ -244,6 +246,8 @@ def _decide_phase_changed(
     if previous == new_phase:
         return Decision(event, state)  # no transition (e.g. FAILED -> FAILED re-sent): nothing fires
     if kind == common_pb2.WORKFLOW_EXECUTION and new_phase in TERMINAL_WORKFLOW_PHASES:
+        if current.refused:
+            return Decision(event, state)  # the create was refused: no sandbox ever existed
         return Decision(event, state, (Deprovision("workflow", execution_id, new_phase),))
     if recover and current.HasField("created_event"):
         # Recover re-runs the execution's lane from its create: the workflow lane ensures the
@@ -332,7 +336,7 @@ def _fold(
     causation_id = entry.causation_id
     del pending[index]
     if isinstance(command, Ensure):
-        out, logs = _complete_ensure(causation_id, occurred_at, command, result, state, config)
+        out, logs = _complete_ensure(causation_id, occurred_at, command, result, state, config, entry.recover)
         if state.deferred_status_error and not _session_ensure_pending(state):
             if not state.status_error:
                 state.status_error = state.deferred_status_error
@@ -416,6 +420,7 @@ def _complete_ensure(
     result: CommandResult,
     state: state_pb2.ExecutionState,
     config: LaneConfig,
+    recover: bool = False,
 ) -> tuple[OutcomeEvent, tuple[LogIntent, ...]]:
     scope = command.scope
     execution_id = command.mint.execution_id
@@ -430,6 +435,9 @@ def _complete_ensure(
         provisioned.probe_state = result.probe_state
         provisioned.token_minted = result.token_minted
         _record(state, ref, state_pb2.SANDBOX_PROVISIONED, "", outcome_id)
+        if recover and command.critical:
+            state.status_error = ""  # the recover went through: upstream persists it error-free
+            state.deferred_status_error = ""
         return provisioned, ()
     error = result.error
     failed = outcomes_pb2.SandboxFailed()
@@ -444,6 +452,22 @@ def _complete_ensure(
         failed.message = WORKFLOW_SANDBOX_FAILED_MESSAGE
         fields = {"executionId": execution_id, "error": error}
         log = LogIntent("error", LOG_WORKFLOW_PROVISIONING_FAILED, fields)
+        # Upstream refuses the request. A refused create: the execution does not exist for
+        # upstream (no row, no workflow), so nothing of it is torn down later. A refused recover:
+        # the execution stays FAILED and the recover can be retried.
+        state.refusal_reason = error
+        if recover:
+            state.phase = common_pb2.EXECUTION_FAILED
+        else:
+            state.refused = True
+    elif recover:
+        # Upstream's agent recover clears the error after its session ensure, failed or not.
+        failed.message = SANDBOX_PROVISIONING_FAILED_PREFIX + error
+        log = LogIntent(
+            "error",
+            LOG_SESSION_PROVISIONING_FAILED,
+            {"executionId": execution_id, "sessionId": command.sandbox_id, "error": error},
+        )
     else:
         # The pre-stamp: first non-empty status.error wins; the phase is never touched.
         stamp = SANDBOX_PROVISIONING_FAILED_PREFIX + error

@@ -116,6 +116,7 @@ class PendingEffect(_message.Message):
     MINT_EXECUTION_ID_FIELD_NUMBER: _builtins.int
     MINT_ORG_FIELD_NUMBER: _builtins.int
     MINT_CALLER_IDENTITY_ID_FIELD_NUMBER: _builtins.int
+    RECOVER_FIELD_NUMBER: _builtins.int
     command_id: _builtins.str
     """Deterministic: derived_event_id(causation_id, "Ensure" | "Deprovision", scope)."""
     op: Global___EffectOp.ValueType
@@ -133,6 +134,8 @@ class PendingEffect(_message.Message):
     mint_execution_id: _builtins.str
     mint_org: _builtins.str
     mint_caller_identity_id: _builtins.str
+    recover: _builtins.bool
+    """An ensure decided by a recover (FAILED -> IN_PROGRESS), not by the create."""
     @_builtins.property
     def occurred_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -153,10 +156,11 @@ class PendingEffect(_message.Message):
         mint_execution_id: _builtins.str = ...,
         mint_org: _builtins.str = ...,
         mint_caller_identity_id: _builtins.str = ...,
+        recover: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["occurred_at", b"occurred_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_class", b"caller_class", "causation_id", b"causation_id", "command_id", b"command_id", "critical", b"critical", "mint_caller_identity_id", b"mint_caller_identity_id", "mint_execution_id", b"mint_execution_id", "mint_org", b"mint_org", "mint_scope", b"mint_scope", "mint_session_id", b"mint_session_id", "occurred_at", b"occurred_at", "op", b"op", "phase", b"phase", "sandbox_id", b"sandbox_id", "scope", b"scope", "task_queue", b"task_queue"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_class", b"caller_class", "causation_id", b"causation_id", "command_id", b"command_id", "critical", b"critical", "mint_caller_identity_id", b"mint_caller_identity_id", "mint_execution_id", b"mint_execution_id", "mint_org", b"mint_org", "mint_scope", b"mint_scope", "mint_session_id", b"mint_session_id", "occurred_at", b"occurred_at", "op", b"op", "phase", b"phase", "recover", b"recover", "sandbox_id", b"sandbox_id", "scope", b"scope", "task_queue", b"task_queue"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -182,6 +186,8 @@ class ExecutionState(_message.Message):
     DEFERRED_STATUS_ERROR_FIELD_NUMBER: _builtins.int
     CREATED_EVENT_FIELD_NUMBER: _builtins.int
     PHASE_CHANGED_AT_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    REFUSAL_REASON_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     execution_id: _builtins.str
     kind: _common_pb2.ExecutionKind.ValueType
@@ -198,6 +204,12 @@ class ExecutionState(_message.Message):
     ensure completes, after the ensure's own pre-stamp had its chance (upstream pre-stamps
     synchronously, before the execution can move on).
     """
+    refused: _builtins.bool
+    """The workflow lane's critical ensure failed: upstream refuses the create (no row, no workflow).
+    Later phase changes of a refused execution tear down nothing (no sandbox ever existed).
+    """
+    refusal_reason: _builtins.str
+    """Why the last critical ensure (create or recover) was refused."""
     @_builtins.property
     def sandboxes(self) -> _containers.RepeatedCompositeFieldContainer[Global___SandboxStatus]: ...
     @_builtins.property
@@ -241,10 +253,12 @@ class ExecutionState(_message.Message):
         deferred_status_error: _builtins.str = ...,
         created_event: _inputs_pb2.ExecutionCreated | None = ...,
         phase_changed_at: _timestamp_pb2.Timestamp | None = ...,
+        refused: _builtins.bool = ...,
+        refusal_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_event", b"created_event", "phase_changed_at", b"phase_changed_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "created", b"created", "created_event", b"created_event", "deferred_status_error", b"deferred_status_error", "execution_id", b"execution_id", "kind", b"kind", "org", b"org", "pending", b"pending", "phase", b"phase", "phase_changed_at", b"phase_changed_at", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "created", b"created", "created_event", b"created_event", "deferred_status_error", b"deferred_status_error", "execution_id", b"execution_id", "kind", b"kind", "org", b"org", "pending", b"pending", "phase", b"phase", "phase_changed_at", b"phase_changed_at", "refusal_reason", b"refusal_reason", "refused", b"refused", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
