@@ -138,6 +138,13 @@ def test_plan_reap_rules() -> None:
     assert plans["wfx_done"].phase == common_pb2.EXECUTION_COMPLETED
     assert plans["ses_gone"].reason == "session deleted"
     assert plans["wfx_orphan_old"].reason == "no execution state past grace"
+    # A refused create's half-done sandbox (created, never started) is reaped: nothing else will.
+    refused = _state("wfx_refused", phase=common_pb2.EXECUTION_PENDING)
+    refused.refused, refused.refusal_reason = True, "start failed"
+    (plan,) = plan_reap(
+        [_sb("workflow", "wfx_refused", created_at=990)], {"wfx_refused": refused}, now, grace
+    )
+    assert (plan.verdict, plan.reason) == ("reap", "execution refused (create)")
     # The removal event's id is deterministic per (scope, id, creation time).
     lane = LaneConfig(enabled=True, driver_name="local-process")
     one, two = reaped_event(plans["wfx_done"], lane, 1.0), reaped_event(plans["wfx_done"], lane, 2.0)

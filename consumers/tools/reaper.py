@@ -152,6 +152,10 @@ def _plan_workflow(
         why = "age unknown" if age is None else f"within grace ({age:.0f}s <= {grace:g}s)"
         return ReapPlan(sandbox, "keep", f"no execution state, {why}", eid, age_seconds=age)
     phase_name = common_pb2.ExecutionPhase.Name(state.phase)
+    if state.refused and not any(e.op == state_pb2.EFFECT_OP_ENSURE for e in state.pending):
+        # The create was refused (its critical ensure failed): no runner may exist for it, and no
+        # terminal phase will ever tear down what a half-done ensure left.
+        return ReapPlan(sandbox, "reap", "execution refused (create)", eid, state.phase, age)
     if state.phase in TERMINAL_WORKFLOW_PHASES:
         return ReapPlan(sandbox, "reap", f"execution terminal ({phase_name})", eid, state.phase, age)
     return ReapPlan(sandbox, "keep", f"execution live ({phase_name})", eid, state.phase, age)
