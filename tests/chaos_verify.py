@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -255,10 +256,25 @@ async def verify(
         verdict.figures["same-id redeliveries"] = dup_records
 
     # 3. exactly one teardown outcome per terminal workflow transition and per session deletion.
+    # A workflow whose create was refused (its critical ensure failed, and nothing provisioned it)
+    # has no sandbox: a terminal phase applied after the refusal tears nothing down, one applied
+    # while the ensure was still out tears down (harmlessly) in order after it. Zero or one, then.
+    provision_results: dict[str, list[Any]] = defaultdict(list)
+    for o in outcomes:
+        if isinstance(o.message, PROVISION_TYPES):
+            provision_results[o.message.execution_id].append(o.message)
+    refused = {
+        execution
+        for execution, results in provision_results.items()
+        if all(isinstance(m, outcomes_pb2.SandboxFailed) and m.critical for m in results)
+    }
+    verdict.figures["refused workflow creates"] = len(refused)
     problems = []
     for cause, key in sorted(expected.teardown.items()):
         got = [o for o in by_cause.get(cause, {}).values() if isinstance(o.message, TEARDOWN_TYPES)]
         copies = sum(ids[o.ce_id] for o in got)
+        if not got and key in refused:
+            continue
         if not got:
             problems.append(f"{key}: no SandboxDeprovisioned/SandboxTeardownFailed (input {cause})")
         elif len(got) > 1 and guarantee == "exactly_once":

@@ -157,16 +157,29 @@ async def test_provisioning_failures_on_a_real_driver_prestamp_and_refuse(
         assert isinstance(workflow, outcomes_pb2.SandboxFailed) and workflow.critical
         assert workflow.code == common_pb2.STATUS_CODE_UNAVAILABLE
         assert workflow.message == "failed to provision workflow sandbox"
-        # The pod kept going: a later event is still processed.
+        # The pod kept going: a later event is still processed; the refused create's terminal
+        # phase tears nothing down (no sandbox ever existed).
         await produce(
             kafka_bootstrap,
             env,
             wf_phase("wfx_fail", common_pb2.EXECUTION_PENDING, common_pb2.EXECUTION_FAILED),
         )
-        assert len(await read_topic(kafka_bootstrap, topics.outcomes, at_least=3)) == 3
+
+        async def wf_fail_phase() -> int:
+            return latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=1))[
+                "wfx_fail"
+            ].phase
+
+        deadline = asyncio.get_running_loop().time() + 30
+        while await wf_fail_phase() != common_pb2.EXECUTION_FAILED:
+            assert asyncio.get_running_loop().time() < deadline, "the phase change was not applied"
+            await asyncio.sleep(0.5)
+        assert len(await read_topic(kafka_bootstrap, topics.outcomes, at_least=2, settle_s=2.0)) == 2
     states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=3))
     assert states["axr_fail"].status_error == session.message
     assert states["axr_fail"].phase == common_pb2.EXECUTION_PENDING
+    refused = states["wfx_fail"]
+    assert refused.refused and refused.refusal_reason == workflow.reason and refused.sandboxes
 
 
 async def test_a_redelivered_input_changes_nothing(kafka_bootstrap: str, tmp_path: Path) -> None:
