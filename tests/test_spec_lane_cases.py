@@ -222,3 +222,72 @@ def test_verify_rejects_every_signed_claim_set_the_spec_rules_out() -> None:
             verifier.verify("execution_scoped", _signed(bad))
     with pytest.raises(InvalidTokenError):
         verifier.verify("another_lane", _signed(good))
+
+
+# --- the error text, the mint's type and the ensure bound (issue 11 item 8) ------------------------
+
+
+async def test_an_error_with_an_empty_message_pre_stamps_the_bare_prefix() -> None:
+    """Upstream stamps the prefix + the error's message; an empty message leaves the bare prefix."""
+    provisioner = FakeProvisioner(ensure_error=RuntimeError(""))
+    _, execution = seed(common_pb2.CLOUD)
+    processed = await lane_processor(provisioner).process(execution, StateView(None))
+    assert processed.outcome is not None and processed.outcome.state is not None
+    assert processed.outcome.state.status_error == "Sandbox provisioning failed: "
+
+
+class _Returning(CapabilityCredentials):
+    def __init__(self, value: object) -> None:
+        super().__init__()
+        self.value = value
+
+    def mint_sandbox_credential(self, request: SandboxCredentialRequest) -> str:
+        return self.value  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("value", [None, 42, b"bytes-token"])
+async def test_a_credential_provider_returning_a_non_string_fails_the_ensure(value: object) -> None:
+    provisioner = FakeProvisioner()
+    processed = await lane_processor(provisioner, _Returning(value)).process(
+        workflow_execution(common_pb2.CLOUD), StateView(None)
+    )
+    assert provisioner.ensured == []  # the driver is never called with it
+    assert processed.outcome is not None
+    (failed,) = processed.outcome.outputs
+    assert isinstance(failed, outcomes_pb2.SandboxFailed) and failed.critical
+    assert "not a string" in failed.reason and type(value).__name__ in failed.reason
+
+
+async def test_the_mint_runs_inside_the_ensure_bound_and_a_drivers_own_timeout_keeps_its_message() -> None:
+    import asyncio
+
+    from consumers.runtime.executor import DriverExecutor
+    from consumers.runtime.processor import LaneProcessor
+
+    class Hanging(CapabilityCredentials):
+        async def mint_sandbox_credential(self, request: SandboxCredentialRequest) -> str:  # type: ignore[override]
+            await asyncio.sleep(30)
+            return "never"
+
+    log = logging.getLogger("sandbox_lanes.test")
+    config = lane_processor(FakeProvisioner()).config
+    hung = DriverExecutor(FakeProvisioner(), Hanging(), log, ensure_timeout_s=0.2)  # type: ignore[arg-type]
+    processed = await LaneProcessor(config, hung, log).process(
+        workflow_execution(common_pb2.CLOUD), StateView(None)
+    )
+    assert processed.outcome is not None
+    (failed,) = processed.outcome.outputs
+    assert (
+        isinstance(failed, outcomes_pb2.SandboxFailed)
+        and failed.reason == "sandbox ensure timed out after 0.2s"
+    )
+
+    own = DriverExecutor(
+        FakeProvisioner(ensure_error=TimeoutError("engine read timed out")), CapabilityCredentials(), log
+    )  # type: ignore[arg-type]
+    processed = await LaneProcessor(config, own, log).process(
+        workflow_execution(common_pb2.CLOUD), StateView(None)
+    )
+    assert processed.outcome is not None
+    (failed,) = processed.outcome.outputs
+    assert isinstance(failed, outcomes_pb2.SandboxFailed) and failed.reason == "engine read timed out"

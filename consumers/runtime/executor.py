@@ -19,9 +19,14 @@ from drivers.contract import SandboxEnvironment, SandboxProvisioner
 
 
 def error_message(exc: BaseException) -> str:
-    """Upstream uses the error's message, or its string form."""
+    """For logs: the error's message, or its type when the message is empty."""
     text = str(exc)
     return text if text else type(exc).__name__
+
+
+def upstream_message(exc: BaseException) -> str:
+    """What upstream puts after the pre-stamp prefix: the error's message, even an empty one."""
+    return str(exc)
 
 
 class CommandRunner:
@@ -55,27 +60,36 @@ class DriverExecutor(CommandRunner):
     async def _run(self, command: Command) -> CommandResult:
         if isinstance(command, Ensure):
             return await self._ensure(command)
+        bound = asyncio.timeout(self.teardown_timeout_s)
         try:
-            async with asyncio.timeout(self.teardown_timeout_s):
+            async with bound:
                 await self.provisioner.deprovision(command.scope, command.sandbox_id)
-        except TimeoutError:
+        except TimeoutError as exc:
+            if not bound.expired():
+                return CommandResult(ok=False, error=upstream_message(exc))  # the driver's own timeout
             return CommandResult(
                 ok=False, error=f"sandbox teardown timed out after {self.teardown_timeout_s:g}s"
             )
         except Exception as exc:
-            return CommandResult(ok=False, error=error_message(exc))
+            return CommandResult(ok=False, error=upstream_message(exc))
         return CommandResult(ok=True)
 
     async def _ensure(self, command: Ensure) -> CommandResult:
+        # The mint is part of the ensure (upstream: one try around both), so the bound covers it.
+        bound = asyncio.timeout(self.ensure_timeout_s)
         try:
-            token = await mint_sandbox_token(self.credentials, command.mint, self.logger)
-            env = SandboxEnvironment(
-                task_queue=command.task_queue, stigmer_token=token, caller_class=command.caller_class
-            )
-            async with asyncio.timeout(self.ensure_timeout_s):
+            async with bound:
+                token = await mint_sandbox_token(self.credentials, command.mint, self.logger)
+                env = SandboxEnvironment(
+                    task_queue=command.task_queue, stigmer_token=token, caller_class=command.caller_class
+                )
                 probe_state: str = await self.provisioner.ensure(command.scope, command.sandbox_id, env)
-        except TimeoutError:
-            return CommandResult(ok=False, error=f"sandbox ensure timed out after {self.ensure_timeout_s:g}s")
+        except TimeoutError as exc:
+            if bound.expired():
+                return CommandResult(
+                    ok=False, error=f"sandbox ensure timed out after {self.ensure_timeout_s:g}s"
+                )
+            return CommandResult(ok=False, error=upstream_message(exc))  # the driver's own timeout
         except Exception as exc:
-            return CommandResult(ok=False, error=error_message(exc))
+            return CommandResult(ok=False, error=upstream_message(exc))
         return CommandResult(ok=True, probe_state=probe_state, token_minted=token != "")

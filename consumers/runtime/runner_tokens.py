@@ -73,7 +73,14 @@ async def mint_sandbox_token(
     capability = getattr(credentials, "mint_sandbox_credential", None)
     if callable(capability):
         result = capability(request)
-        token: str = await result if inspect.isawaitable(result) else result
+        token: object = await result if inspect.isawaitable(result) else result
+        if not isinstance(token, str):
+            # Anything else would reach the runner as a token it cannot use, and the outcome
+            # would claim a minted token: the ensure fails instead.
+            raise TypeError(
+                "the credential provider's mint_sandbox_credential returned "
+                f"{type(token).__name__}, not a string"
+            )
         return token
     if not credentials.is_enabled(TOKEN_TYPE_EXECUTION_SCOPED):
         logger.warning(LOG_TOKENLESS_LAUNCH, extra={"executionId": request.execution_id})
