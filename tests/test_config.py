@@ -41,7 +41,6 @@ INVALID: list[tuple[str, str, str]] = [
     ("SANDBOX_LANES_TEARDOWN_TIMEOUT_S", "-5", "must be positive"),
     ("SANDBOX_LANES_TOPIC_STATE", "state topic", "allowed: a Kafka topic name"),
     ("SANDBOX_LANES_TOPIC_DLQ", "sandbox-outcomes", "the same topic as SANDBOX_LANES_TOPIC_OUTCOMES"),
-    ("SANDBOX_PROVISIONER_TYPE", "daytona", "known types: 'docker', 'kubernetes', 'local-process'"),
     ("STIGMER_ACTIVITY_ROUTING", "per-session", "allowed: global, session"),
     ("STIGMER_WORKFLOW_ACTIVITY_ROUTING", "exec", "allowed: global, execution"),
     ("STIGMER_RUNNER_TOKEN_KEY", "not base64!", "allowed: base64 of a 32-byte key"),
@@ -292,3 +291,54 @@ def test_human_logs_on_a_terminal_json_otherwise() -> None:
     logging.getLogger("sandbox_lanes.test").info("hello")
     assert "INFO    hello" in forced.getvalue()
     setup_logging("warning")
+
+
+def test_an_unknown_provisioner_type_is_upstreams_exact_boot_error() -> None:
+    """Spec 1.2.3: the message lists every known type, sorted, in upstream's exact form."""
+    from drivers.registry import known_types
+
+    with pytest.raises(ConfigError) as err:
+        load_settings({"SANDBOX_PROVISIONER_TYPE": "daytona"})
+    listed = ", ".join(f"'{n}'" for n in sorted(known_types()))
+    assert str(err.value) == f"unknown sandbox provisioner type 'daytona' — known types: {listed}"
+    assert {"docker", "kubernetes", "local-process"} <= set(known_types())
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"STIGMER_SANDBOX_RUNNER_ENV": "FOO", "FOO": ""}, "'FOO' is listed but has no value"),
+        (
+            {"STIGMER_SANDBOX_RUNNER_SECRETS": "TEMPORAL_TLS_KEY", "TEMPORAL_TLS_KEY": "k"},
+            "Temporal connection",
+        ),
+        (
+            {"STIGMER_SANDBOX_RUNNER_ENV": "STIGMER_TEMPORAL_API_KEY", "STIGMER_TEMPORAL_API_KEY": "k"},
+            "Temporal connection",
+        ),
+        (
+            {"STIGMER_SANDBOX_RUNNER_ENV": "ANTHROPIC_API_KEY", "ANTHROPIC_API_KEY": "k"},
+            "known runner secrets on the plain list: ANTHROPIC_API_KEY",
+        ),
+        (
+            {
+                "SANDBOX_PROVISIONER_TYPE": "docker",
+                "STIGMER_SANDBOX_BACKEND_ENDPOINT": "http://b",
+                "STIGMER_SANDBOX_RUNNER_ENV": "HOME",
+                "HOME": "/home/x",
+            },
+            "'HOME' may not be listed for the image-starting driver 'docker'",
+        ),
+    ],
+)
+def test_runner_lists_refuse_what_upstream_refuses_at_boot(extra: dict[str, str], needle: str) -> None:
+    """Spec 1.2.1: an empty listed value, a Temporal connection name, a known secret on the plain
+    list, HOME under an image-starting driver: each is boot-fatal."""
+    with pytest.raises(ConfigError) as err:
+        load_settings(extra)
+    assert needle in str(err.value), str(err.value)
+
+
+def test_home_may_be_listed_for_the_local_process_driver() -> None:
+    settings = load_settings({"STIGMER_SANDBOX_RUNNER_ENV": "HOME", "HOME": "/home/x"})
+    assert settings.driver.runner_env == {"HOME": "/home/x"}

@@ -30,6 +30,7 @@ from consumers.ops.config_file import CONFIG_FILE_ENV, ConfigFileError, merge, r
 from consumers.runtime.sink import Guarantee
 from consumers.runtime.topology import Topics
 from drivers.contract import SANDBOX_DRIVER_OWNED_RUNNER_ENV, DriverConfig
+from drivers.runner_env import is_temporal_connection_name
 
 
 class ConfigError(ValueError):
@@ -141,6 +142,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SANDBOX_LANES_LOG_LEVEL", "info", "debug, info, warning or error (--log-level wins)"),
     Setting("SANDBOX_LANES_LOG_FORMAT", "auto", "auto (human on a terminal, else JSON), json or human"),
     Setting("SANDBOX_LANES_CONFIG_FILE", "", "optional YAML or .env file of these variables (env wins)"),
+)
+
+#: Drivers that start an image: its runner's HOME is the image's, never a listed value.
+IMAGE_DRIVERS: frozenset[str] = frozenset({"docker", "kubernetes", "agent-sandbox"})
+#: Runner secrets this pod knows by name: they belong on STIGMER_SANDBOX_RUNNER_SECRETS (the
+#: drivers' secret channel), never on the plain list.
+KNOWN_RUNNER_SECRETS: frozenset[str] = frozenset(
+    {"ANTHROPIC_API_KEY", "OPENAI_API_KEY", "GEMINI_API_KEY", "GOOGLE_API_KEY", "GITHUB_TOKEN"}
 )
 
 #: Names a runner never inherits from the pod's environment (the local-process driver's children).
@@ -270,10 +279,7 @@ def _provisioner_type(env: Mapping[str, str]) -> str:
     known = known_types()
     if value and value not in known:
         listed = ", ".join(f"'{n}'" for n in known)
-        raise ConfigError(
-            f"SANDBOX_PROVISIONER_TYPE={value!r} is invalid: unknown sandbox provisioner type '{value}' "
-            f"— known types: {listed} (or empty: lane disabled)"
-        )
+        raise ConfigError(f"unknown sandbox provisioner type '{value}' — known types: {listed}")
     return value
 
 
@@ -392,6 +398,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ),
         default_execution_target=_get(env, "STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET"),
     )
+    provisioner_type = _provisioner_type(env)
     runner_env_names = _name_list(env, "STIGMER_SANDBOX_RUNNER_ENV")
     secret_names = _name_list(env, "STIGMER_SANDBOX_RUNNER_SECRETS")
     for var, listed in [
@@ -402,10 +409,26 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             raise ConfigError(
                 f"{var}: runner env name '{listed}' is set by the driver itself and may not be listed"
             )
-        if listed not in env:
+        if not env.get(listed):
             raise ConfigError(
                 f"{var}: runner env name '{listed}' is listed but has no value in the environment"
             )
+        if is_temporal_connection_name(listed):
+            raise ConfigError(
+                f"{var}: runner env name '{listed}' is a Temporal connection setting; the runner gets the "
+                f"server's own Temporal connection, never a listed one"
+            )
+        if listed == "HOME" and provisioner_type in IMAGE_DRIVERS:
+            raise ConfigError(
+                f"{var}: runner env name 'HOME' may not be listed for the image-starting driver "
+                f"'{provisioner_type}' (the image's runner home is fixed)"
+            )
+    plain_secrets = sorted(set(runner_env_names) & set(KNOWN_RUNNER_SECRETS))
+    if plain_secrets:
+        raise ConfigError(
+            f"STIGMER_SANDBOX_RUNNER_ENV: known runner secrets on the plain list: {', '.join(plain_secrets)} "
+            f"(list them in STIGMER_SANDBOX_RUNNER_SECRETS)"
+        )
     both = sorted(set(runner_env_names) & set(secret_names))
     if both:
         raise ConfigError(
@@ -444,7 +467,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         transaction_timeout_ms=_int(env, "SANDBOX_LANES_TRANSACTION_TIMEOUT_MS", 1000),
         ensure_timeout_s=_float(env, "SANDBOX_LANES_ENSURE_TIMEOUT_S"),
         teardown_timeout_s=_float(env, "SANDBOX_LANES_TEARDOWN_TIMEOUT_S"),
-        provisioner_type=_provisioner_type(env),
+        provisioner_type=provisioner_type,
         agent=agent,
         workflow=workflow,
         driver=driver,
