@@ -342,3 +342,31 @@ def test_runner_lists_refuse_what_upstream_refuses_at_boot(extra: dict[str, str]
 def test_home_may_be_listed_for_the_local_process_driver() -> None:
     settings = load_settings({"STIGMER_SANDBOX_RUNNER_ENV": "HOME", "HOME": "/home/x"})
     assert settings.driver.runner_env == {"HOME": "/home/x"}
+
+
+def test_the_servers_temporal_connection_is_rendered_for_runners(tmp_path: Path) -> None:
+    """Spec 1.2.7: STIGMER_TEMPORAL_* as the runners' temporal_connection_env, each PEM file as _DATA."""
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nX\n-----END CERTIFICATE-----\n")
+    settings = load_settings(
+        {
+            "STIGMER_TEMPORAL_API_KEY": "api-key-1",
+            "STIGMER_TEMPORAL_TLS_SERVER_CA_CERT_PATH": str(ca),
+            "STIGMER_TEMPORAL_TLS_SERVER_NAME": "temporal.internal",
+        }
+    )
+    assert dict(settings.driver.temporal_connection_env) == {
+        "STIGMER_TEMPORAL_API_KEY": "api-key-1",
+        "STIGMER_TEMPORAL_TLS_SERVER_CA_CERT_DATA": ca.read_text(),
+        "STIGMER_TEMPORAL_TLS_SERVER_NAME": "temporal.internal",
+    }
+    assert "api-key-1" in settings.secret_values
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_settings({"STIGMER_TEMPORAL_TLS_CLIENT_KEY_PATH": str(tmp_path / "missing.pem")})
+    with pytest.raises(ConfigError, match="both set"):
+        load_settings(
+            {
+                "STIGMER_TEMPORAL_TLS_SERVER_CA_CERT_PATH": str(ca),
+                "STIGMER_TEMPORAL_TLS_SERVER_CA_CERT_DATA": "x",
+            }
+        )

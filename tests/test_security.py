@@ -193,7 +193,7 @@ async def test_no_token_in_any_log_event_metric_or_process_list(
         assert JWT.search(data) is None, f"something JWT-shaped is in the {where}: {JWT.search(data)}"
 
 
-async def test_no_pod_secret_reaches_a_local_process_runner_and_a_file_loaded_key_is_redacted(
+async def test_no_pod_secret_reaches_a_local_process_runner_but_the_temporal_connection_does(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
     """The local-process runner inherits the pod's environment (as upstream's does) minus the pod's
@@ -205,11 +205,17 @@ async def test_no_pod_secret_reaches_a_local_process_runner_and_a_file_loaded_ke
     key = base64.b64encode(secrets.token_bytes(32)).decode()
     key_file = tmp_path / "token-key"
     key_file.write_text(key + "\n")
+    ca_file = tmp_path / "temporal-ca.pem"
+    ca_pem = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n"
+    ca_file.write_text(ca_pem)
     env = unique_env(
         kafka_bootstrap,
         tmp_path,
         STIGMER_RUNNER_TOKEN_KEY_FILE=str(key_file),
         SANDBOX_LANES_REAP_INTERVAL_S="0",
+        # The pod's own Temporal connection: the runner gets it re-rendered (PEM as _DATA).
+        STIGMER_TEMPORAL_API_KEY="temporal-api-key-123",
+        STIGMER_TEMPORAL_TLS_SERVER_CA_CERT_PATH=str(ca_file),
     )
     assert key in load_settings(env).secret_values  # what the log formatter scrubs
     assert {"STIGMER_RUNNER_TOKEN_KEY", "STIGMER_RUNNER_TOKEN_KEY_FILE"} <= RUNNER_WITHHELD_ENV
@@ -240,4 +246,9 @@ async def test_no_pod_secret_reaches_a_local_process_runner_and_a_file_loaded_ke
     assert runner_env[b"STIGMER_TASK_QUEUE"] == f"wfexec:{wf}".encode()
     assert runner_env[b"STIGMER_TOKEN"].count(b".") == 2
     assert runner_env[b"KAFKA_BOOTSTRAP_SERVERS"] == kafka_bootstrap.encode()
+    # The server's Temporal connection settings, as upstream hands them over (spec 1.2.7, 5.1).
+    assert runner_env[b"STIGMER_TEMPORAL_API_KEY"] == b"temporal-api-key-123"
+    assert runner_env[b"STIGMER_TEMPORAL_TLS_SERVER_CA_CERT_DATA"] == ca_pem.encode()
+    assert b"STIGMER_TEMPORAL_TLS_SERVER_CA_CERT_PATH" not in runner_env
+    assert b"temporal-api-key-123" not in pod.log_path.read_bytes()
     assert key.encode() not in pod.log_path.read_bytes()

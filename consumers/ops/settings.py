@@ -308,6 +308,31 @@ def _token_key_text(env: Mapping[str, str]) -> str:
     return raw
 
 
+#: The server's own Temporal connection settings, handed to every runner (spec 1.2.7).
+TEMPORAL_CONNECTION_PREFIX = "STIGMER_TEMPORAL_"
+
+
+def _temporal_connection_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``STIGMER_TEMPORAL_*`` re-rendered for a runner: every ``…_PATH`` (a PEM on the pod's disk) as
+    its ``…_DATA`` twin with the file's content, every other setting as is. Never both forms of one:
+    the runner refuses to boot next to both."""
+    out: dict[str, str] = {}
+    for name, value in sorted(env.items()):
+        if not name.startswith(TEMPORAL_CONNECTION_PREFIX) or not value:
+            continue
+        if name.endswith("_PATH"):
+            twin = name[: -len("_PATH")] + "_DATA"
+            if env.get(twin):
+                raise ConfigError(f"{name} and {twin} are both set; give the file or its content, not both")
+            try:
+                out[twin] = Path(value).read_text()
+            except OSError as exc:
+                raise ConfigError(f"{name}={value!r} cannot be read: {exc.strerror}") from None
+        else:
+            out[name] = value
+    return out
+
+
 def _target_warnings(env: Mapping[str, str]) -> list[str]:
     warnings = []
     for name in ("STIGMER_DEFAULT_EXECUTION_TARGET", "STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET"):
@@ -357,7 +382,11 @@ class Settings:
     @property
     def secret_values(self) -> list[str]:
         """Values the logs must never show: the signing key and the runner secrets."""
-        values = [self.runner_token_key, *self.driver.runner_secret_env.values()]
+        values = [
+            self.runner_token_key,
+            *self.driver.runner_secret_env.values(),
+            *self.driver.temporal_connection_env.values(),
+        ]
         return [v for v in values if v]
 
     def effective(self) -> dict[str, str]:
@@ -448,6 +477,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         runner_env={n: env[n] for n in runner_env_names},
         runner_secret_env={n: env[n] for n in secret_names},
         options=_options(env),
+        temporal_connection_env=_temporal_connection_env(env),
         withheld_env=RUNNER_WITHHELD_ENV,
     )
     return Settings(
