@@ -135,10 +135,14 @@ class DockerSettings:
     image: str
     entrypoint: list[str] | None
     command: list[str] | None
+    #: Limits: 0 = none (upstream sets none).
     memory_bytes: int
     nano_cpus: int
     pids_limit: int
+    #: "" = the engine's default network (upstream's: the runner reaches the backend and Temporal).
     network: str
+    #: All capabilities dropped and no-new-privileges (upstream changes neither).
+    hardened: bool
     read_only: bool
     max_pool_size: int
 
@@ -147,7 +151,7 @@ class DockerSettings:
         o: Mapping[str, str] = config.options
         entrypoint = _split("entrypoint", o["entrypoint"]) if "entrypoint" in o else [RUNNER_ENTRYPOINT]
         command = _split("command", o["command"]) if "command" in o else [RUNNER_COMMAND]
-        cpus = _parse_number("cpus", o.get("cpus", "") or "2", minimum=0.01)
+        cpus = _parse_number("cpus", o["cpus"], minimum=0.01) if o.get("cpus", "") else 0.0
         return cls(
             base_url=o.get("docker_host", "") or os.environ.get("DOCKER_HOST", "") or DEFAULT_DOCKER_HOST,
             api_version=o.get("api_version", "") or "auto",
@@ -155,10 +159,11 @@ class DockerSettings:
             image=o.get("image", "") or config.runner_image,
             entrypoint=entrypoint,
             command=command,
-            memory_bytes=parse_memory(o.get("memory", "") or "2g"),
+            memory_bytes=parse_memory(o["memory"]) if o.get("memory", "") else 0,
             nano_cpus=int(cpus * 1e9),
-            pids_limit=int(_parse_number("pids_limit", o.get("pids_limit", "") or "4096", minimum=0)),
-            network=o.get("network", "") or "none",
+            pids_limit=int(_parse_number("pids_limit", o.get("pids_limit", "") or "0", minimum=0)),
+            network=o.get("network", ""),
+            hardened=_parse_bool("hardened", o.get("hardened", "")),
             read_only=_parse_bool("read_only", o.get("read_only", "")),
             # The pod runs up to SANDBOX_LANES_DRIVER_CONCURRENCY calls at once (default 32); the
             # SDK's default pool of 10 connections would open and discard the rest each time.
@@ -301,17 +306,20 @@ class DockerProvisioner(ScopedMethods):
         contract = build_runner_env(self._config, env, workspace_dir=CONTAINER_WORKDIR, home=CONTAINER_HOME)
         secrets = contract.secret_values()
         client = await self._docker()
-        host: dict[str, Any] = {
-            "mem_limit": s.memory_bytes,
-            "memswap_limit": s.memory_bytes,
-            "nano_cpus": s.nano_cpus,
-            "security_opt": ["no-new-privileges"],
-            "cap_drop": ["ALL"],
-            "network_mode": s.network,
-            "read_only": s.read_only,
-        }
+        # Upstream's `docker run` sets no network, limit or capability; each is an option here.
+        host: dict[str, Any] = {"read_only": s.read_only}
+        if s.memory_bytes:
+            host["mem_limit"] = s.memory_bytes
+            host["memswap_limit"] = s.memory_bytes
+        if s.nano_cpus:
+            host["nano_cpus"] = s.nano_cpus
         if s.pids_limit:
             host["pids_limit"] = s.pids_limit
+        if s.network:
+            host["network_mode"] = s.network
+        if s.hardened:
+            host["security_opt"] = ["no-new-privileges"]
+            host["cap_drop"] = ["ALL"]
         if s.read_only:
             # The root is read-only; the workspace (an anonymous volume: survives
             # stop/start, removed with the container) and /tmp stay writable.

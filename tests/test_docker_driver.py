@@ -73,7 +73,10 @@ async def make(dockerd: Dockerd, docker_image: str, client: Any) -> AsyncIterato
 
     def factory(**options: str) -> DockerProvisioner:
         p = new_docker_provisioner(
-            _config(**{"docker_host": dockerd.socket_url, "image": docker_image, **options}), LOGGER
+            _config(
+                **{"docker_host": dockerd.socket_url, "image": docker_image, "network": "none", **options}
+            ),
+            LOGGER,
         )
         made.append(p)
         return p
@@ -135,7 +138,7 @@ async def test_provisions_a_labeled_hardened_container_probes_and_tears_down(
     make: Factory, client: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger=LOGGER.name)
-    p = make()
+    p = make(hardened="true", memory="2g", cpus="2", pids_limit="4096")
     assert isinstance(p, SandboxProvisioner) and p.driver_name == "docker"
     name = sandbox_base_name("session", "ses_docker_1")
     assert await p.probe("session", "ses_docker_1") == "absent"
@@ -438,3 +441,35 @@ async def test_a_missing_image_that_cannot_be_pulled_is_a_sandbox_error(make: Fa
     with pytest.raises(SandboxError, match=r"docker engine error .*not-here"):
         await p.ensure("session", "ses_noimage", _env("session:ses_noimage"))
     assert await p.probe("session", "ses_noimage") == "absent"
+
+
+def test_the_defaults_are_upstreams_docker_run_no_network_limit_or_capability_change() -> None:
+    """Upstream's `docker run` sets no network, limit or capability: a runner reaches the backend and
+    Temporal it is told to use. Hardening is opt-in (the options above)."""
+    from drivers.docker_driver import DockerSettings
+
+    s = DockerSettings.from_config(_config())
+    assert (s.network, s.memory_bytes, s.nano_cpus, s.pids_limit, s.hardened, s.read_only) == (
+        "",
+        0,
+        0,
+        0,
+        False,
+        False,
+    )
+    hardened = DockerSettings.from_config(
+        _config(network="none", memory="1g", cpus="1", pids_limit="64", hardened="yes")
+    )
+    assert (
+        hardened.network,
+        hardened.memory_bytes,
+        hardened.nano_cpus,
+        hardened.pids_limit,
+        hardened.hardened,
+    ) == (
+        "none",
+        1024**3,
+        1_000_000_000,
+        64,
+        True,
+    )

@@ -56,7 +56,10 @@ async def test_pod_with_the_docker_driver_runs_a_container_and_removes_it(
 ) -> None:
     execution_id = f"wfx_dk_{uuid.uuid4().hex[:8]}"
     env = driver_env(
-        kafka_bootstrap, tmp_path, "docker", f"docker_host={dockerd.socket_url},image={docker_image}"
+        kafka_bootstrap,
+        tmp_path,
+        "docker",
+        f"docker_host={dockerd.socket_url},image={docker_image},network=none",
     )
     topics = load_settings(env).topics
     client = docker.DockerClient(base_url=dockerd.socket_url, version="auto")
@@ -117,7 +120,7 @@ async def test_a_burst_of_docker_creates_never_holds_a_transaction_and_every_one
         kafka_bootstrap,
         tmp_path,
         "docker",
-        f"docker_host={dockerd.socket_url},image={docker_image},memory=32m,cpus=0.1",
+        f"docker_host={dockerd.socket_url},image={docker_image},memory=32m,cpus=0.1,network=none",
         SANDBOX_LANES_TRANSACTION_TIMEOUT_MS="5000",
     )
     topics = load_settings(env).topics

@@ -343,7 +343,7 @@ async def test_reap_with_the_docker_driver_never_touches_a_foreign_container(
         kafka_bootstrap,
         tmp_path,
         SANDBOX_PROVISIONER_TYPE="docker",
-        SANDBOX_LANES_DRIVER_OPTIONS=f"docker_host={dockerd.socket_url},image={docker_image}",
+        SANDBOX_LANES_DRIVER_OPTIONS=f"docker_host={dockerd.socket_url},image={docker_image},network=none",
         STIGMER_SANDBOX_BACKEND_ENDPOINT="http://127.0.0.1:7234",
         STIGMER_SANDBOX_TEMPORAL_ADDRESS="127.0.0.1:7233",
         SANDBOX_LANES_REAP_INTERVAL_S="0",

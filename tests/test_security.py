@@ -100,7 +100,7 @@ async def test_no_token_in_any_log_event_metric_or_process_list(
         client = docker.DockerClient(base_url=dockerd.socket_url, version="auto")
         extra = {
             "SANDBOX_PROVISIONER_TYPE": "docker",
-            "SANDBOX_LANES_DRIVER_OPTIONS": f"docker_host={dockerd.socket_url},image={image}",
+            "SANDBOX_LANES_DRIVER_OPTIONS": f"docker_host={dockerd.socket_url},image={image},network=none",
             "STIGMER_SANDBOX_BACKEND_ENDPOINT": "http://127.0.0.1:7234",
             "STIGMER_SANDBOX_TEMPORAL_ADDRESS": "127.0.0.1:7233",
         }

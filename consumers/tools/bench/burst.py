@@ -240,6 +240,8 @@ async def _docker_burst(args: Any, env: dict[str, str], show: bool) -> dict[str,
                 "image": image,
                 "memory": "64m",
                 "cpus": "0.5",
+                "network": "none",  # the bench's engine has no bridge; the raw baseline matches
+                "hardened": "true",
                 "max_pool_size": str(args.burst_concurrency),
             },
         )

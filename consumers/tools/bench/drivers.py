@@ -132,7 +132,7 @@ async def _docker(args: argparse.Namespace, show: bool) -> dict[str, Any]:
         config = DriverConfig(
             backend_endpoint="http://127.0.0.1:7234",
             temporal_address="127.0.0.1:7233",
-            options={"docker_host": host, "image": image, "memory": "64m", "cpus": "0.5"},
+            options={"docker_host": host, "image": image, "memory": "64m", "cpus": "0.5", "network": "none"},
         )
         provisioner = new_docker_provisioner(config, logger)
         try:
