@@ -6,6 +6,7 @@ import datetime as dt
 
 from consumers.lanes.commands import CommandResult, Deprovision, Ensure, LaneConfig, StateView
 from consumers.lanes.constants import (
+    LOG_TOKENLESS_LAUNCH,
     SANDBOX_PROVISIONING_FAILED_PREFIX,
     SANDBOX_TOKEN_TTL_SECONDS,
     SESSION_QUEUE_PREFIX,
@@ -53,6 +54,9 @@ def test_upstream_constants_are_byte_identical() -> None:
     assert SESSION_QUEUE_PREFIX == "session:" and WFEXEC_QUEUE_PREFIX == "wfexec:"
     assert TOKEN_TYPE_EXECUTION_SCOPED == "execution_scoped"
     assert SANDBOX_TOKEN_TTL_SECONDS == 14400
+    assert LOG_TOKENLESS_LAUNCH == (
+        "Sandbox launching without a runner token (credential lane disabled) — its values fetch will be refused"
+    )
     assert (common_pb2.EXECUTION_COMPLETED, common_pb2.EXECUTION_FAILED) == (3, 4)
     assert (common_pb2.EXECUTION_CANCELLED, common_pb2.EXECUTION_TERMINATED, common_pb2.EXECUTION_PAUSED) == (
         5,
@@ -398,3 +402,18 @@ def test_a_phase_change_without_a_new_phase_goes_to_the_dead_letter_topic() -> N
     state, _ = _apply(None, wf_created_event())
     decision = decide(wf_phase(common_pb2.EXECUTION_PHASE_UNSPECIFIED), StateView(state), CONFIG)
     assert decision.reject == "phase-changed for 'wfx_r' has no new_phase" and decision.state is None
+
+
+def test_the_lanes_emit_upstreams_dispatch_log_lines() -> None:
+    decision = decide(agent_created("e1"), StateView(None), CONFIG)
+    (resolved,) = [log for log in decision.logs if log.message == "Dispatch resolved activity task queue"]
+    assert resolved.level == "info" and resolved.fields == {
+        "session_id": "ses_1",
+        "task_queue": "session:ses_1",
+        "routing_mode": "session",
+        "execution_target": "CLOUD",
+    }
+    wf = decide(wf_created_event(), StateView(None), CONFIG)
+    assert [(log.level, log.message) for log in wf.logs] == [
+        ("info", "Workflow dispatch resolved per-execution queue")
+    ]

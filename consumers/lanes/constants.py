@@ -50,10 +50,10 @@ LOG_WORKFLOW_PROVISIONING_FAILED: Final = "Workflow sandbox provisioning failed 
 LOG_WORKFLOW_DEPROVISIONED: Final = "Workflow sandbox deprovisioned on terminal phase"
 LOG_WORKFLOW_DEPROVISION_FAILED: Final = "Workflow sandbox deprovision failed - sandbox may be leaked"
 LOG_SESSION_DEPROVISION_FAILED: Final = "Session sandbox deprovision failed - sandbox may be leaked"
-#: Era B text (the seed's version, @stigmer/server 3.14.0-dev.20260910).
+#: Era C text, the era of the drivers (caller class, the runner start script, the Temporal
+#: connection handover); Era B said "— ExecutionContext reads will be redacted".
 LOG_TOKENLESS_LAUNCH: Final = (
-    "Sandbox launching without a runner token (credential lane disabled)"
-    " — ExecutionContext reads will be redacted"
+    "Sandbox launching without a runner token (credential lane disabled) — its values fetch will be refused"
 )
 LOG_PROVISIONER_COMPOSED: Final = "sandbox provisioner composed"
 LOG_DISPATCH_OVERRIDE: Final = "Dispatch using activity_task_queue override (sandbox affinity)"

@@ -32,11 +32,13 @@ from consumers.lanes.commands import (
     StateView,
 )
 from consumers.lanes.constants import (
+    LOG_DISPATCH_RESOLVED,
     LOG_SESSION_DEPROVISION_FAILED,
     LOG_SESSION_PROVISIONING_FAILED,
     LOG_SESSION_ROUTING_NOT_PER_SESSION,
     LOG_WORKFLOW_DEPROVISION_FAILED,
     LOG_WORKFLOW_DEPROVISIONED,
+    LOG_WORKFLOW_DISPATCH_PER_EXECUTION,
     LOG_WORKFLOW_PROVISIONING_FAILED,
     SANDBOX_PROVISIONING_FAILED_PREFIX,
     TERMINAL_WORKFLOW_PHASES,
@@ -143,21 +145,31 @@ def _session_lane(
         # No session, or the wfexec: override lane (child shares its parent's sandbox).
         return Decision(event, state)
     dispatch = resolve_activity_task_queue(session_id, event.session_execution_target, config.agent)
-    if dispatch.execution_target != common_pb2.CLOUD:
-        return Decision(event, state)
     task_queue = dispatch.task_queue
+    resolved = LogIntent(
+        "info",
+        LOG_DISPATCH_RESOLVED,
+        {
+            "session_id": session_id,
+            "task_queue": task_queue,
+            "routing_mode": config.agent.activity_routing,
+            "execution_target": common_pb2.ExecutionTarget.Name(dispatch.execution_target),  # type: ignore[arg-type]
+        },
+    )
+    if dispatch.execution_target != common_pb2.CLOUD:
+        return Decision(event, state, (), (resolved,))
     if task_queue != format_session_task_queue(session_id):
         warn = LogIntent(
             "warning",
             LOG_SESSION_ROUTING_NOT_PER_SESSION,
             {"executionId": event.execution_id, "sessionId": session_id, "taskQueue": task_queue},
         )
-        return Decision(event, state, (), (warn,))
+        return Decision(event, state, (), (resolved, warn))
     # Positional (field order: scope, sandbox_id, task_queue, caller_class, mint, critical).
     execution_id = event.execution_id
     mint = SandboxCredentialRequest("session", session_id, execution_id, event.org, event.caller_identity_id)
     ensure = Ensure("session", session_id, task_queue, event.caller_class, mint, False)
-    return Decision(event, state, (ensure,))
+    return Decision(event, state, (ensure,), (resolved,))
 
 
 def _workflow_lane(
@@ -168,12 +180,17 @@ def _workflow_lane(
     if execution_id == "" or workflow.workflow_activity_routing != WORKFLOW_ROUTING_EXECUTION:
         return Decision(event, state)
     dispatch = resolve_workflow_task_queue(execution_id, event.workflow_execution_target, workflow)
-    if dispatch.execution_target != common_pb2.CLOUD:
-        return Decision(event, state)
     task_queue = dispatch.task_queue
+    resolved = LogIntent(
+        "info",
+        LOG_WORKFLOW_DISPATCH_PER_EXECUTION,  # the lane only runs under execution routing
+        {"execution_id": execution_id, "task_queue": task_queue},
+    )
+    if dispatch.execution_target != common_pb2.CLOUD:
+        return Decision(event, state, (), (resolved,))
     mint = SandboxCredentialRequest("workflow", "", execution_id, event.org, event.caller_identity_id)
     ensure = Ensure("workflow", execution_id, task_queue, event.caller_class, mint, True)
-    return Decision(event, state, (ensure,))
+    return Decision(event, state, (ensure,), (resolved,))
 
 
 def _decide_phase_changed(
