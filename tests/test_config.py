@@ -370,3 +370,13 @@ def test_the_servers_temporal_connection_is_rendered_for_runners(tmp_path: Path)
                 "STIGMER_TEMPORAL_TLS_SERVER_CA_CERT_DATA": "x",
             }
         )
+
+
+def test_a_credential_provider_is_chosen_by_its_installed_entry_point_name() -> None:
+    assert load_settings({"SANDBOX_LANES_CREDENTIAL_PROVIDER": "test-capability"}).credential_provider == (
+        "test-capability"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_settings({"SANDBOX_LANES_CREDENTIAL_PROVIDER": "vault"})
+    assert "SANDBOX_LANES_CREDENTIAL_PROVIDER='vault' is invalid" in str(err.value)
+    assert "known: 'test-capability'" in str(err.value)

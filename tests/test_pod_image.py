@@ -66,13 +66,15 @@ async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events
     env = unique_env(
         kafka_bootstrap,
         tmp_path,
-        SANDBOX_PROVISIONER_TYPE="memory",  # an entry-point driver: the image's installed metadata is used
+        # The local-process driver with a plain command as the runner (the image ships no runner);
+        # the in-memory test driver is not registered in a product install.
+        SANDBOX_PROVISIONER_TYPE="local-process",
+        STIGMER_SANDBOX_RUNNER_COMMAND="sleep 600",
         SANDBOX_LANES_DRIVER_OPTIONS="",
         SANDBOX_LANES_HTTP_HOST="127.0.0.1",
         SANDBOX_LANES_HTTP_PORT=str(port),
         SANDBOX_LANES_POD_ID="image-pod",
     )
-    env.pop("STIGMER_SANDBOX_RUNNER_COMMAND")
     topics = load_settings(env).topics
     container = await asyncio.to_thread(
         client.containers.run, IMAGE, detach=True, network_mode="host", environment=env
@@ -92,7 +94,7 @@ async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events
         outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2, timeout_s=60)
         provisioned, deprovisioned = (o.message for o in outcomes)
         assert isinstance(provisioned, outcomes_pb2.SandboxProvisioned)
-        assert (provisioned.execution_id, provisioned.sandbox.driver) == (execution_id, "memory")
+        assert (provisioned.execution_id, provisioned.sandbox.driver) == (execution_id, "local-process")
         assert provisioned.meta.source == "sandbox-lanes/image-pod"
         assert isinstance(deprovisioned, outcomes_pb2.SandboxDeprovisioned)
 

@@ -252,3 +252,35 @@ async def test_no_pod_secret_reaches_a_local_process_runner_but_the_temporal_con
     assert b"STIGMER_TEMPORAL_TLS_SERVER_CA_CERT_PATH" not in runner_env
     assert b"temporal-api-key-123" not in pod.log_path.read_bytes()
     assert key.encode() not in pod.log_path.read_bytes()
+
+
+async def test_sandbox_lanes_run_loads_an_operators_credential_provider_by_entry_point(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """SANDBOX_LANES_CREDENTIAL_PROVIDER names an installed ``sandbox_lanes.credentials`` entry point
+    (here the dev harness's capability provider): it makes the whole mint decision for the runner."""
+    env = unique_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_LANES_CREDENTIAL_PROVIDER="test-capability",
+        TEST_CAPABILITY_PREFIX="op-token",
+        SANDBOX_LANES_REAP_INTERVAL_S="0",
+    )
+    topics = load_settings(env).topics
+    wf = f"wfx_sec_cap_{RUN}"
+    pod = PodProcess(env, tmp_path / "pod.log")
+    pod.start()
+    try:
+        await pod.wait_for_log("state restored")
+        await produce(kafka_bootstrap, env, wf_created(wf))
+        (provisioned,) = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
+        assert getattr(provisioned.message, "token_minted", False), provisioned
+        (pid,) = runner_pids(f"wfexec:{wf}")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        await produce(kafka_bootstrap, env, wf_terminal(wf))
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
+    finally:
+        code, _ = await asyncio.to_thread(pod.terminate)
+    assert code == 0
+    assert f"STIGMER_TOKEN=op-token-workflow-{wf}".encode() in environ
+    assert "test capability provider loaded" in pod.log()

@@ -18,7 +18,11 @@ from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod import Pod
 from consumers.runtime.pod_config import PodConfig
 from consumers.runtime.processor import LaneProcessor
-from consumers.runtime.runner_tokens import ExecutionScopedRunnerCredentialProvider, RunnerCredentialProvider
+from consumers.runtime.runner_tokens import (
+    ExecutionScopedRunnerCredentialProvider,
+    RunnerCredentialProvider,
+    load_credential_provider,
+)
 from drivers.contract import SandboxProvisioner
 from drivers.registry import new_sandbox_provisioner
 
@@ -74,7 +78,12 @@ def compose(
     if provisioner is None:
         provisioner = build_provisioner(settings, logger)
     metrics = PodMetrics()
-    creds = credentials or ExecutionScopedRunnerCredentialProvider.from_env(dict(settings.raw))
+    if credentials is not None:
+        creds = credentials
+    elif settings.credential_provider:
+        creds = load_credential_provider(settings.credential_provider, settings.raw, logger)
+    else:
+        creds = ExecutionScopedRunnerCredentialProvider.from_env(dict(settings.raw))
     lane = LaneConfig(
         enabled=provisioner is not None,
         agent=settings.agent,

@@ -130,6 +130,12 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("SANDBOX_LANES_DRIVER_OPTIONS", "", "driver knobs as k=v,k=v (see the driver tables)"),
     Setting(
+        "SANDBOX_LANES_CREDENTIAL_PROVIDER",
+        "",
+        "credential provider by entry-point name (group sandbox_lanes.credentials); empty = the "
+        "execution-scoped HS256 provider",
+    ),
+    Setting(
         "STIGMER_RUNNER_TOKEN_KEY_FILE", "", "read STIGMER_RUNNER_TOKEN_KEY from this file", pod_only=True
     ),
     Setting("SANDBOX_LANES_HTTP_HOST", "0.0.0.0", "address of the /metrics, /healthz, /readyz server"),
@@ -333,6 +339,19 @@ def _temporal_connection_env(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def _credential_provider(env: Mapping[str, str]) -> str:
+    from consumers.runtime.runner_tokens import credential_provider_names
+
+    name = _get(env, "SANDBOX_LANES_CREDENTIAL_PROVIDER")
+    if name and name not in credential_provider_names():
+        known = ", ".join(f"'{n}'" for n in credential_provider_names()) or "none installed"
+        raise ConfigError(
+            f"SANDBOX_LANES_CREDENTIAL_PROVIDER={name!r} is invalid: no credential provider of that name "
+            f"is installed (entry-point group sandbox_lanes.credentials; known: {known})"
+        )
+    return name
+
+
 def _target_warnings(env: Mapping[str, str]) -> list[str]:
     warnings = []
     for name in ("STIGMER_DEFAULT_EXECUTION_TARGET", "STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET"):
@@ -378,6 +397,8 @@ class Settings:
     warnings: tuple[str, ...] = ()
     #: The signing key's text however it was given (variable or file): for redaction only.
     runner_token_key: str = field(repr=False, default="")
+    #: An installed credential provider's entry-point name; "" = the execution-scoped provider.
+    credential_provider: str = ""
 
     @property
     def secret_values(self) -> list[str]:
@@ -510,4 +531,5 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         config_file=config_file,
         warnings=tuple(_target_warnings(env)),
         runner_token_key=token_key,
+        credential_provider=_credential_provider(env),
     )

@@ -16,8 +16,9 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -187,3 +188,31 @@ class ExecutionScopedRunnerCredentialProvider:
         if not isinstance(exp, int) or int(self._now.now(dt.UTC).timestamp()) >= exp:
             raise InvalidTokenError()
         return str(binding)
+
+
+#: Where an operator's credential provider registers (upstream: the extension-registered provider).
+CREDENTIALS_ENTRY_POINT_GROUP = "sandbox_lanes.credentials"
+CredentialProviderFactory = Callable[[Mapping[str, str], logging.Logger], RunnerCredentialProvider]
+
+
+def credential_provider_names() -> list[str]:
+    """The installed credential providers, by entry-point name, sorted."""
+    return sorted({ep.name for ep in entry_points(group=CREDENTIALS_ENTRY_POINT_GROUP)})
+
+
+def load_credential_provider(
+    name: str, environ: Mapping[str, str], logger: logging.Logger
+) -> RunnerCredentialProvider:
+    """Build the provider registered as ``name``: its factory gets the pod's environment and a logger."""
+    found = [ep for ep in entry_points(group=CREDENTIALS_ENTRY_POINT_GROUP) if ep.name == name]
+    if not found:
+        known = ", ".join(f"'{n}'" for n in credential_provider_names()) or "none installed"
+        raise ValueError(f"unknown credential provider '{name}' — known providers: {known}")
+    factory: CredentialProviderFactory = found[0].load()
+    provider = factory(environ, logger)
+    if not isinstance(provider, RunnerCredentialProvider):
+        raise TypeError(
+            f"credential provider '{name}' built a {type(provider).__name__}, which is not a "
+            "RunnerCredentialProvider (is_enabled, mint, verify)"
+        )
+    return provider
