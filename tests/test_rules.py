@@ -314,10 +314,19 @@ def test_a_refused_create_is_recorded_and_its_terminal_phase_tears_nothing_down(
     assert (
         refused.state is not None and refused.state.refused and refused.state.refusal_reason == "no capacity"
     )
-    _, commands = _apply(
+    failed, commands = _apply(
         refused.state, wf_phase(common_pb2.EXECUTION_FAILED, common_pb2.EXECUTION_PENDING, at=2)
     )
     assert commands == ()
+    # Recovered anyway (upstream would have no row to recover): once its ensure succeeds a sandbox
+    # exists, so the execution is no longer refused and its end tears the sandbox down.
+    recovering, _ = _apply(
+        failed, wf_phase(common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_FAILED, at=3)
+    )
+    ok = complete_effect(recovering, recovering.pending[0].command_id, CommandResult(ok=True), CONFIG)
+    assert ok.state is not None and not ok.state.refused
+    _, commands = _apply(ok.state, wf_phase(common_pb2.EXECUTION_COMPLETED, at=4))
+    assert [type(c) for c in commands] == [Deprovision]
 
 
 def test_an_agent_recover_clears_the_error_even_when_its_session_ensure_fails() -> None:
@@ -395,6 +404,7 @@ def test_a_stale_phase_change_moves_nothing_backwards() -> None:
         state, wf_phase(common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_PENDING, at=5)
     )
     assert commands == () and late.phase == common_pb2.EXECUTION_COMPLETED
+    assert late.updated_at == state.updated_at
     assert late.applied_count == state.applied_count + 1  # applied (its id is remembered), moved nothing
 
 

@@ -239,6 +239,8 @@ def _decide_phase_changed(
                     "storedPhase": common_pb2.ExecutionPhase.Name(previous),
                 },
             )
+            if current.HasField("updated_at"):
+                state.updated_at.CopyFrom(current.updated_at)  # time does not run backwards either
             return Decision(event, state, (), (stale,))
         state.phase_changed_at.CopyFrom(at)
     elif meta.HasField("occurred_at"):
@@ -452,6 +454,8 @@ def _complete_ensure(
         provisioned.probe_state = result.probe_state
         provisioned.token_minted = result.token_minted
         _record(state, ref, state_pb2.SANDBOX_PROVISIONED, "", outcome_id)
+        if command.critical:
+            state.refused = False  # a sandbox exists now: its terminal phase must tear it down
         if recover and command.critical:
             state.status_error = ""  # the recover went through: upstream persists it error-free
             state.deferred_status_error = ""
