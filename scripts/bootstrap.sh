@@ -55,5 +55,12 @@ if [[ $want_python -eq 1 ]]; then
   fi
   log "installing sandbox-lanes and its test dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e '.[test]' -e devtools
+  # pip's build backend chatters on stderr (editable-install notices); show it only when pip fails.
+  pip_log=$(mktemp)
+  if ! .venv/bin/python -m pip install -q -e '.[test]' -e devtools >"$pip_log" 2>&1; then
+    cat "$pip_log" >&2
+    rm -f "$pip_log"
+    exit 1
+  fi
+  rm -f "$pip_log"
 fi
