@@ -225,9 +225,9 @@ def _decide_phase_changed(
     previous = current.phase
     state = _applied(current, execution_id, event)
     meta = event.meta
-    if meta.HasField("occurred_at") and current.HasField("phase_changed_at"):
-        at, stored_at = meta.occurred_at, current.phase_changed_at
-        if (at.seconds, at.nanos) < (stored_at.seconds, stored_at.nanos):
+    if meta.HasField("occurred_at"):
+        at = meta.occurred_at
+        if current.HasField("phase_changed_at") and _earlier(at, current.phase_changed_at):
             # Written before the phase now stored (a late retry, a replayed producer): it moves
             # nothing, so a stale write can neither revive a terminal execution nor tear down twice.
             stale = LogIntent(
@@ -243,8 +243,6 @@ def _decide_phase_changed(
                 state.updated_at.CopyFrom(current.updated_at)  # time does not run backwards either
             return Decision(event, state, (), (stale,))
         state.phase_changed_at.CopyFrom(at)
-    elif meta.HasField("occurred_at"):
-        state.phase_changed_at.CopyFrom(meta.occurred_at)
     state.phase = new_phase
     recover = previous == common_pb2.EXECUTION_FAILED and new_phase == common_pb2.EXECUTION_IN_PROGRESS
     if recover and kind == common_pb2.AGENT_EXECUTION:
@@ -282,6 +280,10 @@ def _decide_phase_changed(
         return Decision(event, state, lane.commands, lane.logs)
     # Session sandboxes are long-lived: an agent execution's terminal phase tears nothing down.
     return Decision(event, state)
+
+
+def _earlier(a: Timestamp, b: Timestamp) -> bool:
+    return (a.seconds, a.nanos) < (b.seconds, b.nanos)
 
 
 def _session_ensure_pending(state: state_pb2.ExecutionState) -> bool:
@@ -456,9 +458,9 @@ def _complete_ensure(
         _record(state, ref, state_pb2.SANDBOX_PROVISIONED, "", outcome_id)
         if command.critical:
             state.refused = False  # a sandbox exists now: its terminal phase must tear it down
-        if recover and command.critical:
-            state.status_error = ""  # the recover went through: upstream persists it error-free
-            state.deferred_status_error = ""
+            if recover:
+                state.status_error = ""  # the recover went through: upstream persists it error-free
+                state.deferred_status_error = ""
         return provisioned, ()
     error = result.error
     failed = outcomes_pb2.SandboxFailed()

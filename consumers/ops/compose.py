@@ -83,7 +83,8 @@ def compose(
     elif settings.credential_provider:
         creds = load_credential_provider(settings.credential_provider, settings.raw, logger)
     else:
-        creds = ExecutionScopedRunnerCredentialProvider.from_env(dict(settings.raw))
+        # The key as settings read and validated it (variable or file): the file is read once.
+        creds = ExecutionScopedRunnerCredentialProvider.from_key_text(settings.runner_token_key)
     lane = LaneConfig(
         enabled=provisioner is not None,
         agent=settings.agent,

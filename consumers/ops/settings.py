@@ -343,8 +343,11 @@ def _credential_provider(env: Mapping[str, str]) -> str:
     from consumers.runtime.runner_tokens import credential_provider_names
 
     name = _get(env, "SANDBOX_LANES_CREDENTIAL_PROVIDER")
-    if name and name not in credential_provider_names():
-        known = ", ".join(f"'{n}'" for n in credential_provider_names()) or "none installed"
+    if not name:
+        return ""
+    installed = credential_provider_names()
+    if name not in installed:
+        known = ", ".join(f"'{n}'" for n in installed) or "none installed"
         raise ConfigError(
             f"SANDBOX_LANES_CREDENTIAL_PROVIDER={name!r} is invalid: no credential provider of that name "
             f"is installed (entry-point group sandbox_lanes.credentials; known: {known})"
@@ -395,7 +398,7 @@ class Settings:
     config_file: str = ""
     #: Accepted but suspicious values (logged at start-up, printed by ``config show``).
     warnings: tuple[str, ...] = ()
-    #: The signing key's text however it was given (variable or file): for redaction only.
+    #: The signing key's text however it was given (variable or file): the provider's key, redacted.
     runner_token_key: str = field(repr=False, default="")
     #: An installed credential provider's entry-point name; "" = the execution-scoped provider.
     credential_provider: str = ""

@@ -138,6 +138,11 @@ class ExecutionScopedRunnerCredentialProvider:
         path = env.get("STIGMER_RUNNER_TOKEN_KEY_FILE", "")
         if not raw and path:
             raw = Path(path).read_text().strip()
+        return cls.from_key_text(raw)
+
+    @classmethod
+    def from_key_text(cls, raw: str) -> ExecutionScopedRunnerCredentialProvider:
+        """From the key's base64 text ("" = no key: minting disabled)."""
         if not raw:
             return cls(None)
         try:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import lane_env, pct, running_pod
+from consumers.tools.bench.common import created_event, lane_env, pct, running_pod
 from consumers.tools.bench.drivers import docker_engine
 
 logger = logging.getLogger("sandbox_lanes.bench")
@@ -100,14 +100,6 @@ async def _pod_burst(
             total = max(mine.values()) - started
             return total, [(mine[e] - sent[e]) * 1000 for e in ids]
 
-        def created(execution_id: str) -> Any:
-            return inputs_pb2.ExecutionCreated(
-                meta=new_meta(),
-                kind=common_pb2.WORKFLOW_EXECUTION,
-                execution_id=execution_id,
-                workflow_execution_target=common_pb2.CLOUD,
-            )
-
         def terminal(execution_id: str) -> Any:
             return inputs_pb2.PhaseChanged(
                 meta=new_meta(),
@@ -118,7 +110,9 @@ async def _pod_burst(
             )
 
         try:
-            up_s, up_ms = await phase(outcomes_pb2.SandboxProvisioned, created, topics.execution_created)
+            up_s, up_ms = await phase(
+                outcomes_pb2.SandboxProvisioned, created_event, topics.execution_created
+            )
             down_s, down_ms = await phase(outcomes_pb2.SandboxDeprovisioned, terminal, topics.phase_changed)
         finally:
             await producer.stop()

@@ -136,7 +136,7 @@ def lane_env(bootstrap: str, tag: str, partitions: int, guarantee: str) -> dict[
     }
 
 
-def created_event(execution_id: str, event_id: str, *, agent: bool = False) -> Any:
+def created_event(execution_id: str, event_id: str | None = None, *, agent: bool = False) -> Any:
     from events.codec import new_meta
     from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 
