@@ -126,8 +126,9 @@ def new_meta(
     )
 
 
-def record_key(message: Message) -> str:
-    """The Kafka key of an event: its execution id, or the session id for session events."""
+def state_key(message: Message) -> str:
+    """The key of the state an event is applied to: its execution id, or the session id for
+    session events (``SessionDeleted``, a session-sandbox teardown's outcome)."""
     if isinstance(message, inputs_pb2.SessionDeleted):
         return message.session_id
     key: str = getattr(message, "execution_id")  # noqa: B009 - every other event has one
@@ -136,6 +137,17 @@ def record_key(message: Message) -> str:
         sandbox_id: str = getattr(message, "sandbox").sandbox_id  # noqa: B009
         return sandbox_id
     return key
+
+
+def record_key(message: Message) -> str:
+    """The Kafka key of an event: :func:`state_key`, except that an agent execution's inputs are
+    keyed by its session id (when it has one), so a session's creates and its delete share one
+    partition number and are applied in order (the session lane reads the session's record)."""
+    if isinstance(message, inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged):
+        if message.kind == common_pb2.AGENT_EXECUTION and message.session_id:
+            return message.session_id
+        return message.execution_id
+    return state_key(message)
 
 
 _CE_SPECVERSION_BYTES: Final = CE_SPECVERSION.encode()
@@ -298,13 +310,18 @@ def _validate_input(message: Message, key: bytes | None) -> None:
             f"unsupported schema_version {meta.schema_version} (this pod reads {SCHEMA_VERSION})"
         )
     record = record_key(message)
-    if not record:
+    if not state_key(message):
         field = "session_id" if isinstance(message, inputs_pb2.SessionDeleted) else "execution_id"
         raise DecodeError(f"missing {field}")
     if key is None or key == b"":
         raise DecodeError("missing record key")
     if key.decode("utf-8", errors="replace") != record:
-        raise DecodeError(f"record key '{key.decode('utf-8', errors='replace')}' does not match '{record}'")
+        because = ""
+        if record != state_key(message):
+            because = " (an agent execution's events are keyed by its session id)"
+        raise DecodeError(
+            f"record key '{key.decode('utf-8', errors='replace')}' does not match '{record}'{because}"
+        )
     if isinstance(message, inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged) and (
         message.kind == common_pb2.EXECUTION_KIND_UNSPECIFIED
     ):

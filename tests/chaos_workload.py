@@ -18,8 +18,8 @@ from typing import Literal
 from consumers.lanes.commands import CommandResult, Deprovision, Ensure, LaneConfig, StateView
 from consumers.lanes.rules import complete, decide
 from consumers.ops.settings import load_settings
-from events.codec import InputEvent, new_meta, record_key
-from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
+from events.codec import InputEvent, new_meta, state_key
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
 
 Why = Literal["valid", "duplicate", "retry", "early"]
 
@@ -165,14 +165,13 @@ def generate(
             event = inputs_pb2.PhaseChanged(
                 meta=meta(t),
                 execution_id=exec_id,
+                session_id=session_id,
                 kind=kind,
                 previous_phase=previous,  # type: ignore[arg-type]
                 new_phase=new,  # type: ignore[arg-type]
                 error=error,
             )
             history.append(Planned(t, event, "valid"))
-        if session_id:
-            session_last[session_id] = max(session_last[session_id], t)
         histories.append(history)
 
     counts: dict[str, int] = defaultdict(int)
@@ -202,7 +201,12 @@ def generate(
             again.meta.CopyFrom(meta(history[0].at + 0.5))
             limit = history[1].at - 0.01 if len(history) > 1 else history[0].at + 1.0
             plan.append(Planned(min(history[0].at + 0.02, limit), again, "retry"))
-    # Session deletions, after the session's last activity.
+    # Session deletions, after the session's last activity (its records' times after the delays).
+    for history in histories:
+        for item in history:
+            if item.event.session_id:
+                sid = item.event.session_id
+                session_last[sid] = max(session_last[sid], item.at)
     for session_id in session_ids:
         if rng.random() < session_delete_share:
             at = session_last[session_id] + rng.uniform(2.0, 4.0)
@@ -251,40 +255,43 @@ class Expected:
 
 
 def expectations(workload: Workload, config: LaneConfig) -> Expected:
-    """Fold every key's history, in the order the pod sees it, through the pure rules."""
-    by_key: dict[str, list[Planned]] = defaultdict(list)
-    # Early records are produced (and dead-lettered) before anything else.
-    for item in workload.all_records():
-        by_key[record_key(item.event)].append(item)
+    """Fold every record, in the order the pod sees each key's records, through the pure rules.
+
+    A session's delete comes seconds after its last record (creates and phase changes), so the
+    plan's order between a session's record and its executions' is the pod's too.
+    """
+    states: dict[str, state_pb2.ExecutionState | None] = {}
     expected = Expected()
     ok = CommandResult(ok=True, probe_state="running")
-    for key, items in by_key.items():
-        state = None
-        for item in items:
-            decision = decide(item.event, StateView(state), config)
-            event_id = item.event.meta.event_id
-            if decision.reject is not None:
-                expected.dead_letters.add(event_id)
-                continue
-            if decision.duplicate or decision.state is None:
-                continue
-            for command in decision.commands:
-                if isinstance(command, Ensure):
-                    expected.provision[event_id] = key
-                    if command.scope == "workflow":
-                        expected.provisioning_workflows.add(key)
-                elif isinstance(command, Deprovision):
-                    expected.teardown[event_id] = key
-                    if command.scope == "workflow":
-                        expected.terminal_workflows.add(key)
-                    else:
-                        expected.deleted_sessions.add(key)
-            event = item.event
-            if isinstance(event, inputs_pb2.PhaseChanged) and event.error:
-                expected.errors.setdefault(key, []).append(event.error)
-            outcome = complete(decision, [ok] * len(decision.commands), config)
-            state = outcome.state
-            if isinstance(event, inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged):
-                expected.phase[key] = state.phase if state is not None else 0
-                expected.kind[key] = event.kind
+    # Early records are produced (and dead-lettered) before anything else.
+    for item in workload.all_records():
+        key = state_key(item.event)
+        state = states.get(key)
+        decision = decide(item.event, StateView(state, states.get), config)
+        event_id = item.event.meta.event_id
+        if decision.reject is not None:
+            expected.dead_letters.add(event_id)
+            continue
+        if decision.duplicate or decision.state is None:
+            continue
+        for command in decision.commands:
+            if isinstance(command, Ensure):
+                expected.provision[event_id] = key
+                if command.scope == "workflow":
+                    expected.provisioning_workflows.add(key)
+            elif isinstance(command, Deprovision):
+                expected.teardown[event_id] = key
+                if command.scope == "workflow":
+                    expected.terminal_workflows.add(key)
+                else:
+                    expected.deleted_sessions.add(key)
+        event = item.event
+        if isinstance(event, inputs_pb2.PhaseChanged) and event.error:
+            expected.errors.setdefault(key, []).append(event.error)
+        outcome = complete(decision, [ok] * len(decision.commands), config)
+        state = outcome.state
+        states[key] = state
+        if isinstance(event, inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged):
+            expected.phase[key] = state.phase if state is not None else 0
+            expected.kind[key] = event.kind
     return expected

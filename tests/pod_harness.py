@@ -24,7 +24,7 @@ from google.protobuf.message import Message
 from consumers.ops.compose import Composed, compose
 from consumers.ops.settings import load_settings
 from consumers.tools.topic_io import topic_for
-from events.codec import ALL_TYPES, OUTCOME_TYPES, decode, decode_state, encode, header, new_meta
+from events.codec import ALL_TYPES, INPUT_TYPES, OUTCOME_TYPES, decode, decode_state, encode, header, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
 
 _ids = itertools.count(1)
@@ -66,6 +66,7 @@ class Received:
     message: Message | None
     headers: dict[str, str] = field(default_factory=dict)
     value: bytes | None = None
+    partition: int = -1
 
 
 async def produce(bootstrap: str, env: dict[str, str], *events: Message) -> None:
@@ -128,10 +129,12 @@ async def read_topic(
                         message = None
                     elif ce_type in OUTCOME_TYPES:
                         message = decode(rec.key, rec.value, rec.headers, allowed=OUTCOME_TYPES)
+                    elif ce_type in INPUT_TYPES:
+                        message = decode(rec.key, rec.value, rec.headers, allowed=INPUT_TYPES)
                     else:
                         message = decode_state(rec.value) if rec.value is not None else None
                     key = rec.key.decode() if rec.key else ""
-                    out.append(Received(topic, key, message, headers, rec.value))
+                    out.append(Received(topic, key, message, headers, rec.value, rec.partition))
             if len(out) >= at_least and time.monotonic() - quiet_since >= settle_s:
                 break
     finally:

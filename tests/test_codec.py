@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from harness import gen_protos
 
-from events.codec import DecodeError, decode, encode, new_meta, record_key
+from events.codec import DecodeError, decode, encode, new_meta, record_key, state_key
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 
 
@@ -18,7 +18,7 @@ def created() -> inputs_pb2.ExecutionCreated:
     )
 
 
-def test_round_trip_with_cloudevents_headers_and_the_execution_id_as_key() -> None:
+def test_round_trip_with_cloudevents_headers_and_the_session_id_as_an_agent_executions_key() -> None:
     event = created()
     record = encode(event)
     headers = dict(record.headers)
@@ -26,8 +26,33 @@ def test_round_trip_with_cloudevents_headers_and_the_execution_id_as_key() -> No
     assert headers["ce_id"] == b"ev-1" and headers["ce_source"] == b"producer-a"
     assert headers["ce_specversion"] == b"1.0" and headers["content-type"] == b"application/protobuf"
     assert headers["ce_time"].endswith(b"Z")
-    assert record.key == b"axr_1"
+    assert record.key == b"ses_1"
     assert decode(record.key, record.value, record.headers) == event
+
+
+def test_the_session_lanes_inputs_are_keyed_by_session_and_the_rest_by_execution() -> None:
+    agent, workflow = common_pb2.AGENT_EXECUTION, common_pb2.WORKFLOW_EXECUTION
+    cases = [
+        (inputs_pb2.ExecutionCreated(kind=agent, execution_id="axr_1", session_id="ses_1"), "ses_1"),
+        (inputs_pb2.PhaseChanged(kind=agent, execution_id="axr_1", session_id="ses_1"), "ses_1"),
+        (inputs_pb2.SessionDeleted(session_id="ses_1"), "ses_1"),
+        (inputs_pb2.ExecutionCreated(kind=agent, execution_id="axr_2"), "axr_2"),  # no session
+        (inputs_pb2.ExecutionCreated(kind=workflow, execution_id="wfx_1"), "wfx_1"),
+        (inputs_pb2.PhaseChanged(kind=workflow, execution_id="wfx_1"), "wfx_1"),
+    ]
+    for message, key in cases:
+        assert record_key(message) == key
+    # The state an event applies to stays the execution's (or the session's own record).
+    assert [state_key(m) for m, _ in cases] == ["axr_1", "axr_1", "ses_1", "axr_2", "wfx_1", "wfx_1"]
+
+
+def test_an_agent_execution_keyed_by_its_execution_id_is_refused_with_the_reason() -> None:
+    record = encode(created())
+    with pytest.raises(DecodeError) as err:
+        decode(b"axr_1", record.value, record.headers)
+    assert err.value.reason == (
+        "record key 'axr_1' does not match 'ses_1' (an agent execution's events are keyed by its session id)"
+    )
 
 
 def test_session_outcomes_are_keyed_by_session_id() -> None:

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.partitioner import DefaultPartitioner
 
 from consumers.ops.settings import load_settings
+from consumers.runtime.topology import ensure_topics
 from drivers.contract import SandboxEnvironment, SandboxProbeState, SandboxScope
 from drivers.local_process import new_local_process_provisioner
 from events.codec import encode, new_meta
@@ -353,3 +355,70 @@ async def test_a_recovered_workflow_gets_a_runner_again_through_kafka(
     ]
     assert len({r.message.sandbox.name for r in outcomes}) == 1  # type: ignore[union-attr]
     assert runner_pids(queue) == []
+
+
+def _partition(key: str, partitions: int) -> int:
+    """Where the producers' default partitioner puts a key (murmur2, as every Kafka client)."""
+    return DefaultPartitioner()(key.encode(), list(range(partitions)), list(range(partitions)))
+
+
+async def test_a_sessions_creates_and_its_delete_are_applied_in_order_through_kafka(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """Spec 2.5: a create produced before its session's delete is applied before it (the pod
+    reads a backlog of both topics); a create applied after the delete provisions nothing. The
+    execution ids hash to another partition than the session id, as they did when creates were
+    keyed by execution id (the re-provisioning bug); now they travel on the session's partition."""
+    # Small fetches: the pod takes the backlog in many turns, so the delete (alone on its topic)
+    # is fetched long before the create queued behind others on the execution-created partition.
+    env = unique_env(kafka_bootstrap, tmp_path, SANDBOX_LANES_MAX_BATCH="2")
+    settings = load_settings(env)
+    topics = settings.topics
+    session = f"ses_order_{RUN}"
+    home = _partition(session, settings.partitions)
+    first, late = [
+        e for e in (f"axr_order_{RUN}_{i}" for i in range(100)) if _partition(e, settings.partitions) != home
+    ][:2]
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        await ensure_topics(admin, topics, settings.partitions, settings.replication)
+    finally:
+        await admin.close()
+    # A backlog (the pod is down): other executions' creates on the session's partition (local
+    # workflows: state only), the create, then the delete, on separate topics.
+    fillers = [
+        wf_created(e, common_pb2.LOCAL)
+        for e in (f"wfx_order_{RUN}_{i}" for i in range(800))
+        if _partition(e, settings.partitions) == home
+    ][:100]
+    await produce(kafka_bootstrap, env, *fillers, agent_created(first, session))
+    await produce(kafka_bootstrap, env, inputs_pb2.SessionDeleted(meta=new_meta(), session_id=session))
+    queue = f"session:{session}"
+    async with running_pod(env):
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
+        assert sorted(outcome_types(outcomes)) == ["SandboxDeprovisioned", "SandboxProvisioned"]
+        provisioned = next(r for r in outcomes if isinstance(r.message, outcomes_pb2.SandboxProvisioned))
+        deprovisioned = next(r for r in outcomes if isinstance(r.message, outcomes_pb2.SandboxDeprovisioned))
+        assert provisioned.message.sandbox.name == deprovisioned.message.sandbox.name  # type: ignore[union-attr]
+        assert runner_pids(queue) == []
+        # A create applied after the delete (the pod saw the delete): nothing provisioned.
+        await produce(kafka_bootstrap, env, agent_created(late, session))
+        deadline = asyncio.get_running_loop().time() + 30
+        states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=1))
+        while late not in states and asyncio.get_running_loop().time() < deadline:
+            states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=1))
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2, settle_s=2.0)
+        assert runner_pids(queue) == []
+    assert len(outcomes) == 2
+    assert states[late].created and states[late].refused
+    assert states[late].refusal_reason == f"session '{session}' was deleted"
+    assert states[session].session_deleted and not states[first].refused
+    # Every input of the session's lane travelled on the session's partition.
+    inputs = [
+        *await read_topic(kafka_bootstrap, topics.execution_created, at_least=2 + len(fillers)),
+        *await read_topic(kafka_bootstrap, topics.session_deleted, at_least=1),
+    ]
+    keyed = [(r.key, r.partition) for r in inputs if r.key in (session, first, late)]
+    assert keyed == [(session, home)] * 3
+    assert await read_topic(kafka_bootstrap, topics.dead_letter, settle_s=0.5, timeout_s=5) == []

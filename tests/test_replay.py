@@ -40,11 +40,14 @@ def created(
     )
 
 
-def phase(execution_id: str, kind: int, previous: int, new: int, error: str = "") -> inputs_pb2.PhaseChanged:
+def phase(
+    execution_id: str, kind: int, previous: int, new: int, error: str = "", session_id: str = ""
+) -> inputs_pb2.PhaseChanged:
     return inputs_pb2.PhaseChanged(
         meta=new_meta(),
         kind=kind,
         execution_id=execution_id,
+        session_id=session_id,
         previous_phase=previous,  # type: ignore[arg-type]
         new_phase=new,
         error=error,  # type: ignore[arg-type]
@@ -93,7 +96,9 @@ async def _record_a_run(bootstrap: str, env: dict[str, str]) -> dict[str, str]:
             first,  # redelivered
             phase(ids["wf"], WF, PENDING, RUNNING),
             phase(ids["wf"], WF, RUNNING, DONE),
-            phase(ids["axr_bad"], AG, PENDING, common_pb2.EXECUTION_FAILED, error="runner never came"),
+            phase(
+                ids["axr_bad"], AG, PENDING, common_pb2.EXECUTION_FAILED, "runner never came", ids["ses_bad"]
+            ),
             phase(f"wfx_rp_never_{RUN}", WF, RUNNING, DONE),  # unknown execution: dead-lettered
             inputs_pb2.SessionDeleted(meta=new_meta(), session_id=ids["ses"]),
         )

@@ -147,6 +147,7 @@ def test_agent_terminal_phase_does_not_tear_down_the_long_lived_session_sandbox(
         meta=new_meta(),
         kind=common_pb2.AGENT_EXECUTION,
         execution_id="axr_1",
+        session_id="ses_1",
         previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
         new_phase=common_pb2.EXECUTION_COMPLETED,
         error="boom",
@@ -334,13 +335,13 @@ def test_an_agent_recover_clears_the_error_even_when_its_session_ensure_fails() 
     state, _ = _apply(None, created)
     state.ClearField("pending")
     failed_phase = inputs_pb2.PhaseChanged(
-        meta=new_meta(), kind=common_pb2.AGENT_EXECUTION, execution_id="axr_1",
+        meta=new_meta(), kind=common_pb2.AGENT_EXECUTION, execution_id="axr_1", session_id="ses_1",
         new_phase=common_pb2.EXECUTION_FAILED, error="model refused",
     )  # fmt: skip
     state, _ = _apply(state, failed_phase)
     assert state.status_error == "model refused"
     recover = inputs_pb2.PhaseChanged(
-        meta=new_meta(), kind=common_pb2.AGENT_EXECUTION, execution_id="axr_1",
+        meta=new_meta(), kind=common_pb2.AGENT_EXECUTION, execution_id="axr_1", session_id="ses_1",
         new_phase=common_pb2.EXECUTION_IN_PROGRESS,
     )  # fmt: skip
     state, _ = _apply(state, recover)
@@ -363,6 +364,7 @@ def test_a_recovered_agent_execution_re_ensures_its_session_sandbox_non_critical
             meta=new_meta(occurred_at=_at(at)),
             kind=common_pb2.AGENT_EXECUTION,
             execution_id="axr_1",
+            session_id="ses_1",
             new_phase=new,  # type: ignore[arg-type]
         )
 
@@ -427,3 +429,73 @@ def test_the_lanes_emit_upstreams_dispatch_log_lines() -> None:
     assert [(log.level, log.message) for log in wf.logs] == [
         ("info", "Workflow dispatch resolved per-execution queue")
     ]
+
+
+# --- session deletes ordered with the session lane (spec 2.5) -------------------------------------
+
+
+def _deleted(session_id: str = "ses_1") -> inputs_pb2.SessionDeleted:
+    return inputs_pb2.SessionDeleted(meta=new_meta(), session_id=session_id)
+
+
+def _sessions(*states: state_pb2.ExecutionState) -> StateView:
+    by_key = {s.execution_id: s for s in states}
+    return StateView(None, by_key.get)
+
+
+def test_a_session_delete_records_the_session_as_deleted_and_tears_its_sandbox_down() -> None:
+    decision = decide(_deleted(), StateView(None), CONFIG)
+    assert decision.state is not None and decision.state.session_deleted
+    assert decision.state.execution_id == "ses_1"
+    assert decision.commands == (Deprovision("session", "ses_1", common_pb2.EXECUTION_PHASE_UNSPECIFIED),)
+
+
+def test_a_create_applied_after_its_sessions_delete_provisions_nothing_and_says_why() -> None:
+    session = decide(_deleted(), StateView(None), CONFIG).state
+    assert session is not None
+    decision = decide(agent_created(), _sessions(session), CONFIG)
+    assert decision.commands == ()
+    assert decision.state is not None and decision.state.created and decision.state.refused
+    assert decision.state.refusal_reason == "session 'ses_1' was deleted"
+    assert [(log.level, log.message, log.fields) for log in decision.logs] == [
+        (
+            "warning",
+            "session deleted - session sandbox not provisioned",
+            {"executionId": "axr_1", "sessionId": "ses_1"},
+        )
+    ]
+    # Another session's delete changes nothing for this one.
+    other = decide(_deleted("ses_2"), StateView(None), CONFIG).state
+    assert other is not None
+    assert [type(c) for c in decide(agent_created(), _sessions(other), CONFIG).commands] == [Ensure]
+
+
+def test_a_recover_after_the_sessions_delete_does_not_bring_the_sandbox_back() -> None:
+    state, (ensure,) = _apply(None, agent_created())
+    assert isinstance(ensure, Ensure)
+    state.ClearField("pending")
+    failed = inputs_pb2.PhaseChanged(
+        meta=new_meta(), kind=common_pb2.AGENT_EXECUTION, execution_id="axr_1", session_id="ses_1",
+        new_phase=common_pb2.EXECUTION_FAILED,
+    )  # fmt: skip
+    state, _ = _apply(state, failed)
+    session = decide(_deleted(), StateView(None), CONFIG).state
+    assert session is not None
+    recover = inputs_pb2.PhaseChanged(
+        meta=new_meta(), kind=common_pb2.AGENT_EXECUTION, execution_id="axr_1", session_id="ses_1",
+        new_phase=common_pb2.EXECUTION_IN_PROGRESS,
+    )  # fmt: skip
+    decision = decide(recover, StateView(state, {"ses_1": session}.get), CONFIG)
+    assert decision.commands == ()
+    assert decision.state is not None and decision.state.phase == common_pb2.EXECUTION_IN_PROGRESS
+    assert decision.state.refusal_reason == "session 'ses_1' was deleted"
+
+
+def test_an_agent_phase_change_naming_another_session_is_refused() -> None:
+    state, _ = _apply(None, agent_created())
+    event = inputs_pb2.PhaseChanged(
+        meta=new_meta(), kind=common_pb2.AGENT_EXECUTION, execution_id="axr_1", session_id="ses_9",
+        new_phase=common_pb2.EXECUTION_COMPLETED,
+    )  # fmt: skip
+    decision = decide(event, StateView(state), CONFIG)
+    assert decision.reject == "phase-changed session_id 'ses_9' does not match the execution's session 'ses_1'"

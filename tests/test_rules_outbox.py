@@ -44,6 +44,7 @@ def phase(execution_id: str, kind: int, new: int, error: str = "") -> inputs_pb2
         meta=new_meta(),
         kind=kind,  # type: ignore[arg-type]
         execution_id=execution_id,
+        session_id="ses_1" if kind == common_pb2.AGENT_EXECUTION else "",
         previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
         new_phase=new,  # type: ignore[arg-type]
         error=error,

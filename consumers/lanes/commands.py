@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -90,14 +91,25 @@ class Outcome(NamedTuple):
 class StateView:
     """Read access to stored state, handed to ``decide``.
 
-    A protocol-like base so tests can pass a view that fails on any access,
-    proving the disabled lane never reads state.
+    ``get`` is the state the event applies to; ``session`` is a session's own record (what the
+    session lane reads: was the session deleted?), which lives on the same partition because a
+    session's inputs are keyed by its id. A protocol-like base so tests can pass a view that
+    fails on any access, proving the disabled lane never reads state.
     """
 
-    __slots__ = ("_state",)
+    __slots__ = ("_sessions", "_state")
 
-    def __init__(self, state: state_pb2.ExecutionState | None) -> None:
+    def __init__(
+        self,
+        state: state_pb2.ExecutionState | None,
+        sessions: Callable[[str], state_pb2.ExecutionState | None] | None = None,
+    ) -> None:
         self._state = state
+        self._sessions = sessions
 
     def get(self) -> state_pb2.ExecutionState | None:
         return self._state
+
+    def session(self, session_id: str) -> state_pb2.ExecutionState | None:
+        """The session's own record (keyed by its id), if any was written."""
+        return None if self._sessions is None else self._sessions(session_id)

@@ -49,6 +49,8 @@ LOG_PRESTAMP_FAILED: Final = "Failed to pre-stamp sandbox provisioning failure"
 LOG_WORKFLOW_PROVISIONING_FAILED: Final = "Workflow sandbox provisioning failed - refusing the request"
 LOG_WORKFLOW_DEPROVISIONED: Final = "Workflow sandbox deprovisioned on terminal phase"
 LOG_WORKFLOW_DEPROVISION_FAILED: Final = "Workflow sandbox deprovision failed - sandbox may be leaked"
+#: Not upstream's (its create of an execution in a deleted session fails before any lane runs).
+LOG_SESSION_DELETED_NOT_PROVISIONED: Final = "session deleted - session sandbox not provisioned"
 LOG_SESSION_DEPROVISION_FAILED: Final = "Session sandbox deprovision failed - sandbox may be leaked"
 #: Era C text, the era of the drivers (caller class, the runner start script, the Temporal
 #: connection handover); Era B said "— ExecutionContext reads will be redacted".

@@ -33,6 +33,7 @@ from consumers.lanes.commands import (
 )
 from consumers.lanes.constants import (
     LOG_DISPATCH_RESOLVED,
+    LOG_SESSION_DELETED_NOT_PROVISIONED,
     LOG_SESSION_DEPROVISION_FAILED,
     LOG_SESSION_PROVISIONING_FAILED,
     LOG_SESSION_ROUTING_NOT_PER_SESSION,
@@ -74,9 +75,9 @@ def decide(event: InputEvent, stored: StateView, config: LaneConfig) -> Decision
     if current is not None and event.meta.event_id in current.applied_event_ids:
         return Decision(event, None, (), (), None, True)
     if isinstance(event, inputs_pb2.ExecutionCreated):
-        decision = _decide_created(event, current, config)
+        decision = _decide_created(event, current, stored, config)
     elif isinstance(event, inputs_pb2.PhaseChanged):
-        decision = _decide_phase_changed(event, current, config)
+        decision = _decide_phase_changed(event, current, stored, config)
     else:
         decision = _decide_session_deleted(event, current)
     if decision.commands:
@@ -114,7 +115,10 @@ def _applied(
 
 
 def _decide_created(
-    event: inputs_pb2.ExecutionCreated, current: state_pb2.ExecutionState | None, config: LaneConfig
+    event: inputs_pb2.ExecutionCreated,
+    current: state_pb2.ExecutionState | None,
+    stored: StateView,
+    config: LaneConfig,
 ) -> Decision:
     state = _applied(current, event.execution_id, event)
     if current is not None:
@@ -133,17 +137,29 @@ def _decide_created(
     state.created_event.CopyFrom(event)
     state.created_event.ClearField("meta")
     if kind == common_pb2.AGENT_EXECUTION:
-        return _session_lane(event, state, config)
+        return _session_lane(event, state, stored, config)
     return _workflow_lane(event, state, config)
 
 
 def _session_lane(
-    event: inputs_pb2.ExecutionCreated, state: state_pb2.ExecutionState, config: LaneConfig
+    event: inputs_pb2.ExecutionCreated, state: state_pb2.ExecutionState, stored: StateView, config: LaneConfig
 ) -> Decision:
     session_id = event.session_id
     if session_id == "" or event.activity_task_queue != "":
         # No session, or the wfexec: override lane (child shares its parent's sandbox).
         return Decision(event, state)
+    session = stored.session(session_id)
+    if session is not None and session.session_deleted:
+        # Applied after its session's delete (same partition, in order): upstream's create fails
+        # (the session row is gone), so nothing is provisioned for a session already torn down.
+        state.refused = True
+        state.refusal_reason = f"session '{session_id}' was deleted"
+        deleted = LogIntent(
+            "warning",
+            LOG_SESSION_DELETED_NOT_PROVISIONED,
+            {"executionId": event.execution_id, "sessionId": session_id},
+        )
+        return Decision(event, state, (), (deleted,))
     dispatch = resolve_activity_task_queue(session_id, event.session_execution_target, config.agent)
     task_queue = dispatch.task_queue
     resolved = LogIntent(
@@ -194,7 +210,10 @@ def _workflow_lane(
 
 
 def _decide_phase_changed(
-    event: inputs_pb2.PhaseChanged, current: state_pb2.ExecutionState | None, config: LaneConfig
+    event: inputs_pb2.PhaseChanged,
+    current: state_pb2.ExecutionState | None,
+    stored: StateView,
+    config: LaneConfig,
 ) -> Decision:
     if current is None or not current.created:
         return Decision(
@@ -215,6 +234,15 @@ def _decide_phase_changed(
             ),
         )
     execution_id = event.execution_id
+    if kind == common_pb2.AGENT_EXECUTION and event.session_id != current.session_id:
+        return Decision(
+            event=event,
+            state=None,
+            reject=(
+                f"phase-changed session_id '{event.session_id}' does not match the execution's "
+                f"session '{current.session_id}'"
+            ),
+        )
     new_phase = event.new_phase
     if new_phase == common_pb2.EXECUTION_PHASE_UNSPECIFIED:
         return Decision(
@@ -274,7 +302,7 @@ def _decide_phase_changed(
         created.CopyFrom(current.created_event)
         created.meta.CopyFrom(meta)
         if kind == common_pb2.AGENT_EXECUTION:
-            lane = _session_lane(created, state, config)
+            lane = _session_lane(created, state, stored, config)
         else:
             lane = _workflow_lane(created, state, config)
         return Decision(event, state, lane.commands, lane.logs)
@@ -295,6 +323,7 @@ def _decide_session_deleted(
 ) -> Decision:
     session_id = event.session_id
     state = _applied(current, session_id, event)
+    state.session_deleted = True
     command = Deprovision("session", session_id, common_pb2.EXECUTION_PHASE_UNSPECIFIED)
     return Decision(event, state, (command,))
 

@@ -64,6 +64,7 @@ def pod_config(settings: Settings) -> PodConfig:
         max_batch=settings.max_batch,
         transaction_timeout_ms=settings.transaction_timeout_ms,
         create_topics=settings.create_topics,
+        security=settings.kafka_security,
     )
 
 

@@ -27,6 +27,7 @@ from consumers.lanes.constants import (
 )
 from consumers.lanes.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
 from consumers.ops.config_file import CONFIG_FILE_ENV, ConfigFileError, merge, read_config_file
+from consumers.runtime.kafka_security import KafkaSecurity, KafkaSecurityError
 from consumers.runtime.sink import Guarantee
 from consumers.runtime.topology import Topics
 from drivers.contract import SANDBOX_DRIVER_OWNED_RUNNER_ENV, DriverConfig
@@ -51,6 +52,43 @@ class Setting:
 #: Every knob, in the order the README's config table lists them.
 SETTINGS: tuple[Setting, ...] = (
     Setting("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092", "Kafka bootstrap servers"),
+    Setting(
+        "KAFKA_SECURITY_PROTOCOL", "PLAINTEXT", "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL", pod_only=True
+    ),
+    Setting(
+        "KAFKA_SSL_CA_FILE",
+        "",
+        "PEM CA bundle the brokers' certificates chain to (empty = the system's)",
+        pod_only=True,
+    ),
+    Setting(
+        "KAFKA_SSL_CERT_FILE", "", "PEM client certificate (mTLS), with KAFKA_SSL_KEY_FILE", pod_only=True
+    ),
+    Setting("KAFKA_SSL_KEY_FILE", "", "PEM private key of the client certificate", pod_only=True),
+    Setting("KAFKA_SSL_KEY_PASSWORD", "", "password of an encrypted KAFKA_SSL_KEY_FILE", secret=True),
+    Setting("KAFKA_SSL_KEY_PASSWORD_FILE", "", "read KAFKA_SSL_KEY_PASSWORD from this file", pod_only=True),
+    Setting(
+        "KAFKA_SSL_CHECK_HOSTNAME",
+        "true",
+        "verify the broker's host name against its certificate",
+        pod_only=True,
+    ),
+    Setting("KAFKA_SASL_MECHANISM", "", "PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER", pod_only=True),
+    Setting("KAFKA_SASL_USERNAME", "", "SASL user (PLAIN, SCRAM)", pod_only=True),
+    Setting("KAFKA_SASL_PASSWORD", "", "SASL password (PLAIN, SCRAM)", secret=True),
+    Setting("KAFKA_SASL_PASSWORD_FILE", "", "read KAFKA_SASL_PASSWORD from this file", pod_only=True),
+    Setting(
+        "KAFKA_SASL_OAUTHBEARER_TOKEN_FILE",
+        "",
+        "OAUTHBEARER: a file holding the token, re-read at every login (rotation)",
+        pod_only=True,
+    ),
+    Setting(
+        "KAFKA_SASL_OAUTHBEARER_TOKEN_COMMAND",
+        "",
+        "OAUTHBEARER: a command (no shell) printing the token, run at every login",
+        pod_only=True,
+    ),
     Setting(
         "SANDBOX_LANES_GROUP_ID", "sandbox-lanes", "consumer group id (also the transactional id prefix)"
     ),
@@ -289,6 +327,41 @@ def _provisioner_type(env: Mapping[str, str]) -> str:
     return value
 
 
+def _secret_text(env: Mapping[str, str], name: str) -> str:
+    """A secret from its variable or, when that is empty, from the file ``<name>_FILE`` names."""
+    value = _get(env, name)
+    path = _get(env, f"{name}_FILE")
+    if value and path:
+        raise ConfigError(f"{name} and {name}_FILE are both set: give one")
+    if value or not path:
+        return value
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{name}_FILE={path!r} cannot be read: {exc.strerror}") from None
+
+
+def _kafka_security(env: Mapping[str, str]) -> KafkaSecurity:
+    security = KafkaSecurity(
+        protocol=_get(env, "KAFKA_SECURITY_PROTOCOL").upper(),
+        ca_file=_get(env, "KAFKA_SSL_CA_FILE"),
+        cert_file=_get(env, "KAFKA_SSL_CERT_FILE"),
+        key_file=_get(env, "KAFKA_SSL_KEY_FILE"),
+        key_password=_secret_text(env, "KAFKA_SSL_KEY_PASSWORD"),
+        check_hostname=_bool(env, "KAFKA_SSL_CHECK_HOSTNAME"),
+        sasl_mechanism=_get(env, "KAFKA_SASL_MECHANISM").upper(),
+        sasl_username=_get(env, "KAFKA_SASL_USERNAME"),
+        sasl_password=_secret_text(env, "KAFKA_SASL_PASSWORD"),
+        oauth_token_file=_get(env, "KAFKA_SASL_OAUTHBEARER_TOKEN_FILE"),
+        oauth_token_command=_get(env, "KAFKA_SASL_OAUTHBEARER_TOKEN_COMMAND"),
+    )
+    try:
+        security.validate()
+    except KafkaSecurityError as exc:
+        raise ConfigError(str(exc)) from None
+    return security
+
+
 def _token_key_text(env: Mapping[str, str]) -> str:
     """The signing key's base64 text, from the variable or its file, validated ('' = unset)."""
     name, raw = "STIGMER_RUNNER_TOKEN_KEY", _get(env, "STIGMER_RUNNER_TOKEN_KEY")
@@ -402,12 +475,15 @@ class Settings:
     runner_token_key: str = field(repr=False, default="")
     #: An installed credential provider's entry-point name; "" = the execution-scoped provider.
     credential_provider: str = ""
+    #: How every Kafka client of the pod and its tools authenticates (TLS, SASL).
+    kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
 
     @property
     def secret_values(self) -> list[str]:
         """Values the logs must never show: the signing key and the runner secrets."""
         values = [
             self.runner_token_key,
+            *self.kafka_security.secret_values,
             *self.driver.runner_secret_env.values(),
             *self.driver.temporal_connection_env.values(),
         ]
@@ -535,4 +611,5 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         warnings=tuple(_target_warnings(env)),
         runner_token_key=token_key,
         credential_provider=_credential_provider(env),
+        kafka_security=_kafka_security(env),
     )

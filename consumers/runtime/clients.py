@@ -25,6 +25,7 @@ def producer_options_for(cfg: PodConfig) -> dict[str, Any]:
         "retry_backoff_ms": 20,
         # A transaction writes ~2 records per input; 16 KiB producer batches made sends wait.
         "max_batch_size": 256 * 1024,
+        **cfg.security.client_options(),
     }
 
 
@@ -43,6 +44,7 @@ def group_consumer_for(cfg: PodConfig) -> AIOKafkaConsumer:
         rebalance_timeout_ms=60_000,
         # Range keeps partition N of every input topic on one member: co-partitioned with the state.
         partition_assignment_strategy=(RangePartitionAssignor,),
+        **cfg.security.client_options(),
     )
 
 

@@ -1,9 +1,12 @@
-"""Holding a phase change back while the create of its execution may still be unapplied.
+"""Holding a record back while creates produced before it may still be unapplied.
 
 The inputs are separate topics, so a fetch (after a restart, a rebalance, a broker outage: any
-backlog) can hand out phase changes before the creates produced earlier on the co-partitioned
-execution-created partition. Such a record waits while that partition has unapplied records older
-than it; only then (or after ``DEFER_UNKNOWN_S``) is it a dead letter.
+backlog) can hand out records before the creates produced earlier on the co-partitioned
+execution-created partition. A phase change of a not-yet-created execution waits while that
+partition has unapplied records older than it; only then (or after ``DEFER_UNKNOWN_S``) is it a
+dead letter. A session delete always waits so (a session's creates are on its partition number),
+so a create produced before the delete is applied before it; after ``DEFER_UNKNOWN_S`` it is
+applied regardless.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class CreateOrderGate:
         self._held_since.pop((rec.topic, rec.partition, rec.offset), None)
 
     async def may_follow(self, consumer: AIOKafkaConsumer, rec: ConsumerRecord[bytes, bytes]) -> bool:
-        """Could the create of this phase-changed record's execution still be unapplied?"""
+        """Could a create produced before this record still be unapplied on its partition number?"""
         created = TopicPartition(self._created_topic, rec.partition)
         if created not in consumer.assignment():
             return False

@@ -25,7 +25,7 @@ from consumers.runtime.pod_config import PodConfig, PodStats
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.sink import BatchSink
 from consumers.runtime.state_store import StateStore
-from events.codec import TYPE_PREFIX, DecodeError, decode_input, encode, record_key, type_name
+from events.codec import TYPE_PREFIX, DecodeError, decode_input, encode, state_key, type_name
 from events.sandbox_lanes.v1 import inputs_pb2, state_pb2
 
 logger = logging.getLogger("sandbox_lanes.pod")
@@ -130,12 +130,12 @@ class PartitionTransaction:
         except DecodeError as exc:
             await self._dead_letter(rec, exc.reason)
             return False
-        key = record_key(event)
-        stored = self.overlay.get(key)
-        if stored is None:
-            stored = self.store.get(rec.partition, key)
+        if isinstance(event, inputs_pb2.SessionDeleted) and await self.gate.may_follow(self.consumer, rec):
+            return True  # a create of this session produced before the delete may still be ahead
+        key = state_key(event)
+        stored = self._stored(key)
         try:
-            decision = self.processor.decide(event, StateView(stored))
+            decision = self.processor.decide(event, StateView(stored, self._stored))
         except Exception as exc:  # a bug in the rules must not stop the pod: park the record
             logger.exception("record processing raised", extra={"executionId": key})
             await self._dead_letter(rec, f"internal error: {exc!r}")
@@ -168,6 +168,11 @@ class PartitionTransaction:
         for effect_id, command in new_effects(decision):
             self.decided.append((key, effect_id, command))
         return False
+
+    def _stored(self, key: str) -> state_pb2.ExecutionState | None:
+        """A key's state as this transaction sees it (its own writes first)."""
+        state = self.overlay.get(key)
+        return state if state is not None else self.store.get(self.partition, key)
 
     async def _dead_letter(self, rec: ConsumerRecord[bytes, bytes], reason: str) -> None:
         self.stats.dead_lettered += 1

@@ -114,7 +114,7 @@ class Pod:
             ThreadPoolExecutor(max_workers=cfg.driver_concurrency + 4, thread_name_prefix="sandbox-lanes-io")
         )
         if cfg.create_topics:
-            admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap)
+            admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap, **cfg.security.client_options())
             await admin.start()
             try:
                 await ensure_topics(admin, cfg.topics, cfg.partitions, cfg.replication)

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.sink import Guarantee
 from consumers.runtime.topology import Topics
 
@@ -30,6 +31,8 @@ class PodConfig:
     create_topics: bool = True
     #: Driver calls running at once across executions (calls for one sandbox run one at a time).
     driver_concurrency: int = 32
+    #: TLS / SASL of every Kafka client the pod opens.
+    security: KafkaSecurity = PLAINTEXT
 
 
 @dataclass

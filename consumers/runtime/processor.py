@@ -24,7 +24,7 @@ from consumers.lanes.commands import (
 from consumers.lanes.rules import complete, complete_effect, decide
 from consumers.runtime.executor import CommandRunner
 from consumers.runtime.metrics import OUTCOME_WORDS, lane_of_command
-from events.codec import InputEvent, record_key, type_name
+from events.codec import InputEvent, state_key, type_name
 from events.sandbox_lanes.v1 import state_pb2
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -103,7 +103,7 @@ class LaneProcessor:
             self.logger.info(
                 "sandbox decision",
                 extra={
-                    "executionId": record_key(event),
+                    "executionId": state_key(event),
                     "lane": lane_of_command(command),
                     "driver": self.config.driver_name,
                     "outcome": OUTCOME_WORDS.get(kind, kind),

@@ -39,6 +39,7 @@ async def restore_and_resume(
         config.bootstrap,
         missing,
         isolation_level="read_committed" if config.guarantee == "exactly_once" else "read_uncommitted",
+        security=config.security,
     )
     stats.restored_keys += report.keys
     stats.restore_seconds += report.seconds

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from aiokafka import TopicPartition
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 
+from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.topic_reader import read_to_end
 from events.codec import decode_state
 from events.sandbox_lanes.v1 import state_pb2
@@ -73,6 +74,7 @@ class StateStore:
         *,
         isolation_level: str = "read_committed",
         timeout_s: float = 300.0,
+        security: KafkaSecurity = PLAINTEXT,
     ) -> RestoreReport:
         """Rebuild the given partitions from the beginning of the state topic up to its end."""
         wanted = sorted(set(partitions))
@@ -83,7 +85,7 @@ class StateStore:
         fresh: dict[int, dict[str, bytes]] = {p: {} for p in wanted}
         tps = [TopicPartition(self.topic, p) for p in wanted]
         async for tp, recs in read_to_end(
-            bootstrap, tps, isolation_level=isolation_level, timeout_s=timeout_s
+            bootstrap, tps, isolation_level=isolation_level, timeout_s=timeout_s, security=security
         ):
             for rec in recs:
                 records += 1

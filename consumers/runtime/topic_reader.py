@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator, Sequence
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
+from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
+
 
 async def read_to_end(
     bootstrap: str,
@@ -19,6 +21,7 @@ async def read_to_end(
     *,
     isolation_level: str = "read_committed",
     timeout_s: float = 300.0,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> AsyncIterator[tuple[TopicPartition, list[ConsumerRecord[bytes, bytes]]]]:
     """Yield ``(partition, records)`` batches until every partition reached its end offset."""
     if not partitions:
@@ -30,6 +33,7 @@ async def read_to_end(
         isolation_level=isolation_level,
         auto_offset_reset="earliest",
         max_partition_fetch_bytes=4 * 1024 * 1024,
+        **security.client_options(),
     )
     await consumer.start()
     try:

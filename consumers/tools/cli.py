@@ -88,7 +88,14 @@ def _cmd_produce(args: argparse.Namespace) -> int:
     except InputFileError as exc:
         print(f"sandbox-lanes produce: {exc}", file=sys.stderr)
         return 2
-    count = asyncio.run(produce(args.bootstrap or settings.bootstrap, messages, settings.topics))
+    count = asyncio.run(
+        produce(
+            args.bootstrap or settings.bootstrap,
+            messages,
+            settings.topics,
+            security=settings.kafka_security,
+        )
+    )
     print(f"produced {count} events to {args.bootstrap or settings.bootstrap}")
     return 0
 
@@ -114,6 +121,7 @@ def _cmd_tail(args: argparse.Namespace) -> int:
             idle_timeout_s=None if args.follow else args.idle_timeout,
             max_records=args.max,
             isolation_level="read_committed" if settings.guarantee == "exactly_once" else "read_uncommitted",
+            security=settings.kafka_security,
         )
     )
     return 0

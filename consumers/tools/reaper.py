@@ -45,6 +45,7 @@ from consumers.lanes.constants import TERMINAL_WORKFLOW_PHASES
 from consumers.lanes.rules import STATE_SCHEMA_VERSION, sandbox_ref
 from consumers.ops.settings import ConfigError, Settings
 from consumers.runtime.executor import error_message
+from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.state_store import StateStore
 from consumers.runtime.topology import Topics
@@ -249,9 +250,11 @@ class ReapReport:
         return sum(1 for r in self.results if r.plan.verdict == "reap")
 
 
-async def partitions_of(bootstrap: str, topics: Iterable[str]) -> dict[str, list[int]]:
+async def partitions_of(
+    bootstrap: str, topics: Iterable[str], *, security: KafkaSecurity = PLAINTEXT
+) -> dict[str, list[int]]:
     """Partition ids of each existing topic (a missing topic is absent from the result)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **security.client_options())
     await admin.start()
     try:
         described: list[dict[str, Any]] = await admin.describe_topics(list(topics))
@@ -265,12 +268,16 @@ async def partitions_of(bootstrap: str, topics: Iterable[str]) -> dict[str, list
 
 
 async def read_all_states(
-    bootstrap: str, topic: str, *, isolation_level: str = "read_committed"
+    bootstrap: str,
+    topic: str,
+    *,
+    isolation_level: str = "read_committed",
+    security: KafkaSecurity = PLAINTEXT,
 ) -> dict[str, state_pb2.ExecutionState]:
     """Every execution's latest state: the whole compacted topic, all partitions, read-only."""
-    partitions = (await partitions_of(bootstrap, [topic])).get(topic, [])
+    partitions = (await partitions_of(bootstrap, [topic], security=security)).get(topic, [])
     store = StateStore(topic)
-    await store.restore(bootstrap, partitions, isolation_level=isolation_level)
+    await store.restore(bootstrap, partitions, isolation_level=isolation_level, security=security)
     return dict(store.items())
 
 
@@ -284,12 +291,13 @@ class Reaper:
     isolation_level: str = "read_committed"
     metrics: PodMetrics | None = None
     teardown_timeout_s: float = 60.0
+    security: KafkaSecurity = PLAINTEXT
 
     async def plan(self, now: float | None = None) -> tuple[list[ReapPlan], int]:
         # List first, then read state: the state view is never older than the listing.
         managed = await self.provisioner.list_managed()
         states = await read_all_states(
-            self.bootstrap, self.topics.state, isolation_level=self.isolation_level
+            self.bootstrap, self.topics.state, isolation_level=self.isolation_level, security=self.security
         )
         return plan_reap(managed, states, time.time() if now is None else now, self.grace_s), len(states)
 
@@ -301,7 +309,9 @@ class Reaper:
         candidates = [r for r in results if r.plan.verdict == "reap"]
         if not apply or not candidates:
             return ReapReport(results, apply, n_states)
-        producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=0)
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap, acks="all", linger_ms=0, **self.security.client_options()
+        )
         await producer.start()
         try:
             for result in candidates:
@@ -393,6 +403,7 @@ def reaper_for(settings: Settings, composed: Composed) -> Reaper | None:
         isolation_level=_isolation(settings),
         metrics=composed.metrics,
         teardown_timeout_s=settings.teardown_timeout_s,
+        security=settings.kafka_security,
     )
 
 
@@ -489,6 +500,7 @@ def run(args: argparse.Namespace) -> int:
         grace_s=args.grace if args.grace is not None else reap_grace_s(settings),
         isolation_level=_isolation(settings),
         teardown_timeout_s=settings.teardown_timeout_s,
+        security=settings.kafka_security,
     )
 
     async def main() -> ReapReport:

@@ -14,6 +14,7 @@ import yaml
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from google.protobuf.message import Message
 
+from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.topology import Topics
 from events.codec import (
     ALL_TYPES,
@@ -74,9 +75,16 @@ def _input_names() -> Iterable[str]:
 
 
 async def produce(
-    bootstrap: str, messages: list[Message], topics: Topics, *, source: str = "sandbox-lanes-cli"
+    bootstrap: str,
+    messages: list[Message],
+    topics: Topics,
+    *,
+    source: str = "sandbox-lanes-cli",
+    security: KafkaSecurity = PLAINTEXT,
 ) -> int:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", linger_ms=0, **security.client_options()
+    )
     await producer.start()
     try:
         for message in messages:
@@ -121,6 +129,7 @@ async def tail(
     idle_timeout_s: float | None = 5.0,
     max_records: int | None = None,
     isolation_level: str = "read_uncommitted",
+    security: KafkaSecurity = PLAINTEXT,
 ) -> int:
     """Print decoded records as JSON lines; stop after ``idle_timeout_s`` without records (None = follow)."""
     consumer = AIOKafkaConsumer(
@@ -130,6 +139,7 @@ async def tail(
         enable_auto_commit=False,
         auto_offset_reset="earliest" if from_beginning else "latest",
         isolation_level=isolation_level,
+        **security.client_options(),
     )
     await consumer.start()
     printed = 0

@@ -46,6 +46,7 @@ def measure_rules(args: argparse.Namespace, show: bool) -> dict[str, Any]:
                     meta=new_meta(event_id=f"rx-ph-{i}", source="bench"),
                     kind=common_pb2.AGENT_EXECUTION if agent else common_pb2.WORKFLOW_EXECUTION,
                     execution_id=eid,
+                    session_id=f"ses-{eid}" if agent else "",
                     previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
                     new_phase=common_pb2.EXECUTION_COMPLETED,
                 ),

@@ -122,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
             lane_config(settings, args.driver_name),
             guarantee=settings.guarantee,
             window=window,
+            security=settings.kafka_security,
         )
     )
     print(summary_table(report))

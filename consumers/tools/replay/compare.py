@@ -13,7 +13,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from events.codec import (
-    record_key,
+    state_key,
 )
 from events.sandbox_lanes.v1 import state_pb2
 
@@ -156,7 +156,7 @@ def compare_output(
     common = {
         "event_id": meta.event_id,
         "causation_id": meta.causation_id,
-        "key": record_key(output),
+        "key": state_key(output),
         "type": type(output).__name__,
         "source": source_of(rec),
     }

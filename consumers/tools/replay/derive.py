@@ -4,6 +4,7 @@ recorded driver results, hand the derived outputs to the comparison.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -13,6 +14,7 @@ from aiokafka import ConsumerRecord, TopicPartition
 from consumers.lanes.commands import Command, CommandResult, Ensure, LaneConfig, StateView
 from consumers.ops.progress import progress
 from consumers.runtime.executor import CommandRunner
+from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.topic_reader import read_to_end
 from consumers.runtime.topology import Topics
@@ -36,7 +38,7 @@ from events.codec import (
     decode_state,
     derived_event_id,
     header,
-    record_key,
+    state_key,
     type_name,
 )
 from events.sandbox_lanes.v1 import outcomes_pb2, state_pb2
@@ -56,13 +58,16 @@ async def read_topics(
     *,
     isolation_level: str = "read_committed",
     timeout_s: float = 300.0,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
     """Every record of ``topics`` from the beginning up to their end offsets as reading starts."""
     names = list(topics)
-    known = await partitions_of(bootstrap, names)
+    known = await partitions_of(bootstrap, names, security=security)
     tps = [TopicPartition(t, p) for t in names for p in known.get(t, [])]
     out: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = {tp: [] for tp in tps}
-    async for tp, recs in read_to_end(bootstrap, tps, isolation_level=isolation_level, timeout_s=timeout_s):
+    async for tp, recs in read_to_end(
+        bootstrap, tps, isolation_level=isolation_level, timeout_s=timeout_s, security=security
+    ):
         out[tp].extend(recs)
     return out
 
@@ -129,14 +134,16 @@ async def replay(
     guarantee: str = "exactly_once",
     window: Window | None = None,
     show_progress: bool | None = None,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> ReplayReport:
     window = window or Window()
     isolation = "read_committed" if guarantee == "exactly_once" else "read_uncommitted"
     snapshot_ms = int(time.time() * 1000)
-    inputs_by_tp = await read_topics(bootstrap, topics.inputs, isolation_level=isolation)
-    outcome_recs = await read_topics(bootstrap, [topics.outcomes], isolation_level=isolation)
-    dlq_recs = await read_topics(bootstrap, [topics.dead_letter], isolation_level=isolation)
-    state_recs = await read_topics(bootstrap, [topics.state], isolation_level=isolation)
+    read = functools.partial(read_topics, bootstrap, isolation_level=isolation, security=security)
+    inputs_by_tp = await read(topics.inputs)
+    outcome_recs = await read([topics.outcomes])
+    dlq_recs = await read([topics.dead_letter])
+    state_recs = await read([topics.state])
     report = ReplayReport(window=window.describe())
 
     # Recorded outcomes by id (in topic order).
@@ -210,10 +217,10 @@ async def replay(
             all_inputs.add(event.meta.event_id)
             if compare:
                 window_inputs.add(event.meta.event_id)
-            key = record_key(event)
+            key = state_key(event)
             runner.bind(event)
             try:
-                processed = await processor.process(event, StateView(states.get(key)))
+                processed = await processor.process(event, StateView(states.get(key), states.get))
             except Exception as exc:  # as the pod: park the record
                 if compare:
                     derived_dlq[where] = f"internal error: {exc!r}"
@@ -258,7 +265,7 @@ async def replay(
                     + ("" if causation in all_inputs else f" (no input event has id {causation!r})"),
                     event_id=event_id,
                     causation_id=causation,
-                    key=record_key(r.message),
+                    key=state_key(r.message),
                     type=type(r.message).__name__,
                     source={"topic": r.topic, "partition": r.partition, "offset": r.offset},
                 )

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from events.sandbox_lanes.v1 import common_pb2 as events_dot_sandbox__lanes_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$events/sandbox_lanes/v1/inputs.proto\x12\x10sandbox_lanes.v1\x1a$events/sandbox_lanes/v1/common.proto\"\x8b\x03\n\x10\x45xecutionCreated\x12)\n\x04meta\x18\x01 \x01(\x0b\x32\x1b.sandbox_lanes.v1.EventMeta\x12-\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.sandbox_lanes.v1.ExecutionKind\x12\x14\n\x0c\x65xecution_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0b\n\x03org\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x1b\n\x13\x61\x63tivity_task_queue\x18\x07 \x01(\t\x12\x43\n\x18session_execution_target\x18\x08 \x01(\x0e\x32!.sandbox_lanes.v1.ExecutionTarget\x12\x44\n\x19workflow_execution_target\x18\t \x01(\x0e\x32!.sandbox_lanes.v1.ExecutionTarget\x12\x1a\n\x12\x63\x61ller_identity_id\x18\n \x01(\t\x12\x14\n\x0c\x63\x61ller_class\x18\x0b \x01(\t\"\xfc\x01\n\x0cPhaseChanged\x12)\n\x04meta\x18\x01 \x01(\x0b\x32\x1b.sandbox_lanes.v1.EventMeta\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\t\x12-\n\x04kind\x18\x03 \x01(\x0e\x32\x1f.sandbox_lanes.v1.ExecutionKind\x12\x38\n\x0eprevious_phase\x18\x04 \x01(\x0e\x32 .sandbox_lanes.v1.ExecutionPhase\x12\x33\n\tnew_phase\x18\x05 \x01(\x0e\x32 .sandbox_lanes.v1.ExecutionPhase\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"O\n\x0eSessionDeleted\x12)\n\x04meta\x18\x01 \x01(\x0b\x32\x1b.sandbox_lanes.v1.EventMeta\x12\x12\n\nsession_id\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$events/sandbox_lanes/v1/inputs.proto\x12\x10sandbox_lanes.v1\x1a$events/sandbox_lanes/v1/common.proto\"\x8b\x03\n\x10\x45xecutionCreated\x12)\n\x04meta\x18\x01 \x01(\x0b\x32\x1b.sandbox_lanes.v1.EventMeta\x12-\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.sandbox_lanes.v1.ExecutionKind\x12\x14\n\x0c\x65xecution_id\x18\x03 \x01(\t\x12\x0c\n\x04name\x18\x04 \x01(\t\x12\x0b\n\x03org\x18\x05 \x01(\t\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x1b\n\x13\x61\x63tivity_task_queue\x18\x07 \x01(\t\x12\x43\n\x18session_execution_target\x18\x08 \x01(\x0e\x32!.sandbox_lanes.v1.ExecutionTarget\x12\x44\n\x19workflow_execution_target\x18\t \x01(\x0e\x32!.sandbox_lanes.v1.ExecutionTarget\x12\x1a\n\x12\x63\x61ller_identity_id\x18\n \x01(\t\x12\x14\n\x0c\x63\x61ller_class\x18\x0b \x01(\t\"\x90\x02\n\x0cPhaseChanged\x12)\n\x04meta\x18\x01 \x01(\x0b\x32\x1b.sandbox_lanes.v1.EventMeta\x12\x14\n\x0c\x65xecution_id\x18\x02 \x01(\t\x12-\n\x04kind\x18\x03 \x01(\x0e\x32\x1f.sandbox_lanes.v1.ExecutionKind\x12\x38\n\x0eprevious_phase\x18\x04 \x01(\x0e\x32 .sandbox_lanes.v1.ExecutionPhase\x12\x33\n\tnew_phase\x18\x05 \x01(\x0e\x32 .sandbox_lanes.v1.ExecutionPhase\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\t\"O\n\x0eSessionDeleted\x12)\n\x04meta\x18\x01 \x01(\x0b\x32\x1b.sandbox_lanes.v1.EventMeta\x12\x12\n\nsession_id\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXECUTIONCREATED']._serialized_start=97
   _globals['_EXECUTIONCREATED']._serialized_end=492
   _globals['_PHASECHANGED']._serialized_start=495
-  _globals['_PHASECHANGED']._serialized_end=747
-  _globals['_SESSIONDELETED']._serialized_start=749
-  _globals['_SESSIONDELETED']._serialized_end=828
+  _globals['_PHASECHANGED']._serialized_end=767
+  _globals['_SESSIONDELETED']._serialized_start=769
+  _globals['_SESSIONDELETED']._serialized_end=848
 # @@protoc_insertion_point(module_scope)

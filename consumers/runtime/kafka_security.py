@@ -1,0 +1,164 @@
+"""How the pod's Kafka clients authenticate: TLS, mTLS and SASL, as aiokafka's own options.
+
+Every client the pod or its tools open (group consumer, transactional producers, admin, the
+readers of ``replay`` and ``tail``) takes :meth:`KafkaSecurity.client_options`, so one
+configuration secures them all. The TLS context is Python's (``aiokafka.helpers.
+create_ssl_context``); SASL PLAIN, SCRAM-SHA-256/512 and OAUTHBEARER are aiokafka's. Nothing
+here implements crypto. Secrets are fields hidden from ``repr``; an OAUTHBEARER token is read
+from its file (or command) each time the client asks, so a rotated token is picked up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from aiokafka.abc import AbstractTokenProvider
+from aiokafka.helpers import create_ssl_context
+
+SECURITY_PROTOCOLS: Final = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS: Final = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+#: How long an OAUTHBEARER token command may run.
+TOKEN_COMMAND_TIMEOUT_S: Final = 30.0
+
+
+class KafkaSecurityError(ValueError):
+    """The Kafka security settings cannot work (named setting, reason)."""
+
+
+@dataclass(frozen=True)
+class KafkaSecurity:
+    protocol: str = "PLAINTEXT"
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    key_password: str = field(default="", repr=False)
+    check_hostname: bool = True
+    sasl_mechanism: str = ""
+    sasl_username: str = ""
+    sasl_password: str = field(default="", repr=False)
+    oauth_token_file: str = ""
+    oauth_token_command: str = ""
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.protocol in ("SSL", "SASL_SSL")
+
+    @property
+    def uses_sasl(self) -> bool:
+        return self.protocol in ("SASL_PLAINTEXT", "SASL_SSL")
+
+    @property
+    def secret_values(self) -> list[str]:
+        return [v for v in (self.key_password, self.sasl_password) if v]
+
+    def validate(self) -> None:
+        """Raise :class:`KafkaSecurityError` for a combination that cannot connect."""
+        if self.protocol not in SECURITY_PROTOCOLS:
+            raise KafkaSecurityError(
+                f"KAFKA_SECURITY_PROTOCOL={self.protocol!r} is invalid: "
+                f"one of {', '.join(SECURITY_PROTOCOLS)}"
+            )
+        if not self.uses_tls and (self.ca_file or self.cert_file or self.key_file):
+            raise KafkaSecurityError(
+                f"KAFKA_SSL_* files are set but KAFKA_SECURITY_PROTOCOL={self.protocol} does not use TLS"
+            )
+        if bool(self.cert_file) != bool(self.key_file):
+            raise KafkaSecurityError("KAFKA_SSL_CERT_FILE and KAFKA_SSL_KEY_FILE go together (mTLS)")
+        for name, path in (
+            ("KAFKA_SSL_CA_FILE", self.ca_file),
+            ("KAFKA_SSL_CERT_FILE", self.cert_file),
+            ("KAFKA_SSL_KEY_FILE", self.key_file),
+            ("KAFKA_SASL_OAUTHBEARER_TOKEN_FILE", self.oauth_token_file),
+        ):
+            if path and not Path(path).is_file():
+                raise KafkaSecurityError(f"{name}={path!r} is not a readable file")
+        if not self.uses_sasl:
+            if self.sasl_mechanism:
+                raise KafkaSecurityError(
+                    f"KAFKA_SASL_MECHANISM is set but KAFKA_SECURITY_PROTOCOL={self.protocol} "
+                    "does not use SASL"
+                )
+            return
+        if self.sasl_mechanism not in SASL_MECHANISMS:
+            raise KafkaSecurityError(
+                f"KAFKA_SASL_MECHANISM={self.sasl_mechanism!r} is invalid for {self.protocol}: one of "
+                f"{', '.join(SASL_MECHANISMS)}"
+            )
+        if self.sasl_mechanism == "OAUTHBEARER":
+            if bool(self.oauth_token_file) == bool(self.oauth_token_command):
+                raise KafkaSecurityError(
+                    "OAUTHBEARER needs exactly one of KAFKA_SASL_OAUTHBEARER_TOKEN_FILE and "
+                    "KAFKA_SASL_OAUTHBEARER_TOKEN_COMMAND"
+                )
+        elif not self.sasl_username or not self.sasl_password:
+            raise KafkaSecurityError(
+                f"{self.sasl_mechanism} needs KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD (or its _FILE)"
+            )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """TLS 1.2+, the configured CA (else the system's), the client pair for mTLS."""
+        context: ssl.SSLContext = create_ssl_context(
+            cafile=self.ca_file or None,
+            certfile=self.cert_file or None,
+            keyfile=self.key_file or None,
+            password=self.key_password or None,
+        )
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.check_hostname = self.check_hostname
+        return context
+
+    def client_options(self) -> dict[str, Any]:
+        """Keyword arguments for any aiokafka client (consumer, producer, admin)."""
+        if self.protocol == "PLAINTEXT":
+            return {}
+        options: dict[str, Any] = {"security_protocol": self.protocol}
+        if self.uses_tls:
+            options["ssl_context"] = self.ssl_context()
+        if self.uses_sasl:
+            options["sasl_mechanism"] = self.sasl_mechanism
+            if self.sasl_mechanism == "OAUTHBEARER":
+                options["sasl_oauth_token_provider"] = FileOrCommandTokenProvider(
+                    self.oauth_token_file, self.oauth_token_command
+                )
+            else:
+                options["sasl_plain_username"] = self.sasl_username
+                options["sasl_plain_password"] = self.sasl_password
+        return options
+
+
+#: No TLS, no SASL: the default of every client.
+PLAINTEXT: Final = KafkaSecurity()
+
+
+class FileOrCommandTokenProvider(AbstractTokenProvider):  # type: ignore[misc]
+    """An OAUTHBEARER token read fresh from a file (e.g. a projected service-account token) or
+    printed by a command (no shell; argv split like a shell would)."""
+
+    def __init__(self, token_file: str, command: str) -> None:
+        self._file = token_file
+        self._command = command
+
+    async def token(self) -> str:
+        if self._file:
+            text = await asyncio.to_thread(Path(self._file).read_text)
+        else:
+            argv = shlex.split(self._command)
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            )
+            out, err = await asyncio.wait_for(proc.communicate(), TOKEN_COMMAND_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise KafkaSecurityError(
+                    f"KAFKA_SASL_OAUTHBEARER_TOKEN_COMMAND exited {proc.returncode}: "
+                    f"{err.decode(errors='replace').strip()[:200]}"
+                )
+            text = out.decode()
+        token = text.strip()
+        if not token:
+            raise KafkaSecurityError("the OAUTHBEARER token is empty")
+        return token
