@@ -7,6 +7,7 @@ import asyncio
 from consumers.lanes.commands import Command, CommandResult, Deprovision, Ensure
 from consumers.lanes.credentials import SandboxCredentialRequest
 from consumers.runtime.effects import EffectRunner
+from consumers.runtime.stall_guard import StallGuard
 
 MINT = SandboxCredentialRequest("workflow", "", "wfx", "org", "usr")
 
@@ -136,3 +137,55 @@ async def test_results_not_yet_taken_when_disowned_leave_nothing_outstanding() -
     runner.disown([0])
     assert runner.take() == []
     assert runner.outstanding == 0
+
+
+async def test_a_call_whose_partition_moved_while_it_waited_at_the_gate_never_reaches_the_driver() -> None:
+    """The epoch is judged when the call is about to run: a revocation during the stall guard's
+    hold (or while the call waited for a slot) drops it before the driver is called."""
+    recorder = Recorder(0.01)
+    opened = asyncio.Event()
+
+    async def gate() -> None:
+        await opened.wait()
+
+    runner = EffectRunner(recorder, concurrency=2, gate=gate)
+    runner.submit(0, "wfx_moved", "moved", ensure("wfx_moved"))
+    runner.submit(1, "wfx_kept", "kept", ensure("wfx_kept"))
+    await asyncio.sleep(0.05)
+    runner.disown([0])  # the group took partition 0 away while the calls were held
+    opened.set()
+    done = await until_done(runner, 1)
+    await asyncio.sleep(0.05)
+    assert done == ["kept"]
+    assert [e for e in recorder.events if e[0] == "start"] == [("start", "Ensure", "wfx_kept")]
+    assert runner.outstanding == 0
+
+
+async def test_the_stall_guard_holds_calls_after_a_stall_that_may_have_cost_the_membership() -> None:
+    now = [100.0]
+    guard = StallGuard(session_timeout_s=10.0, heartbeat_interval_s=3.0, clock=lambda: now[0])
+    assert (guard.stall_s, guard.hold_s) == (4.0, 6.0)
+    stop = asyncio.Event()
+    watch = asyncio.create_task(guard.watch(stop))
+    await asyncio.sleep(0)
+    now[0] += 3.9  # shorter than session - 2 heartbeats: the membership cannot be lost
+    await asyncio.wait_for(guard.clear(), 1)
+    assert guard.stalls == 0 and not guard.holding
+    now[0] += 4.0  # the process stood still (SIGSTOP): the next call, whoever looks first, holds
+    cleared = asyncio.create_task(guard.clear())
+    await asyncio.sleep(0.25)
+    assert guard.stalls == 1 and guard.holding and not cleared.done()
+    now[0] += 3.0
+    await asyncio.sleep(0.25)
+    assert not cleared.done()
+    now[0] += 3.0  # two heartbeat intervals after the stall
+    await asyncio.wait_for(cleared, 1)
+    assert guard.stalls == 1
+    assert not guard.holding
+    stop.set()
+    await watch
+    # An unwatched loop (no pod running the watch) never holds: its gaps are idleness.
+    idle = StallGuard(10.0, 3.0, clock=lambda: now[0])
+    now[0] += 60
+    await asyncio.wait_for(idle.clear(), 1)
+    assert idle.stalls == 0

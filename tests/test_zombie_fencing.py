@@ -7,7 +7,9 @@ over, then resumed."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -22,7 +24,16 @@ from consumers.runtime.sink import PartitionSinks
 from consumers.runtime.topology import Topics
 from events.codec import EncodedRecord
 from events.sandbox_lanes.v1 import outcomes_pb2
-from tests.pod_harness import PodProcess, latest_states, produce, read_topic, unique_env, wf_created
+from tests.pod_harness import (
+    PodProcess,
+    latest_states,
+    produce,
+    read_topic,
+    unique_env,
+    wf_created,
+    wf_terminal,
+)
+from tests.proc_util import runner_pids
 
 pytestmark = [pytest.mark.kafka]
 
@@ -182,3 +193,68 @@ async def test_a_transaction_the_broker_timed_out_fences_the_producer_and_the_po
     )
     assert provisioned == Counter([first, *later])
     assert "fenced: another writer owns the partition now" in caplog.text
+
+
+@pytest.mark.usefixtures("no_leaked_runners")
+async def test_a_resumed_zombie_creates_no_sandbox_for_an_execution_that_moved_and_ended(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """Two pods, the real local-process driver one call at a time (a slow driver: calls queue).
+    The first pod is stopped with calls queued; the second takes over, provisions every execution
+    and, after their terminal phases, tears every runner down; then the first resumes. None of its
+    queued calls may start: no new runner appears, no execution ever has two runners at once. The
+    one call that was inside the driver when the process stopped may have left its runner behind
+    (the stop came between the spawn and its record); that leftover of an ended execution is the
+    reaper's, and one pass removes it, so nothing of an ended execution stays."""
+    env = unique_env(
+        kafka_bootstrap, tmp_path, SANDBOX_LANES_DRIVER_CONCURRENCY="1", SANDBOX_LANES_REAP_INTERVAL_S="0"
+    )
+    topics: Topics = load_settings(env).topics
+    executions = [f"wfx_resume_{RUN}_{i}" for i in range(30)]
+    queues = [f"wfexec:{e}" for e in executions]
+    most_at_once = Counter[str]()
+
+    def sample() -> None:
+        for queue in queues:
+            most_at_once[queue] = max(most_at_once[queue], len(runner_pids(queue)))
+
+    zombie = PodProcess(env, tmp_path / "pod-a.log")
+    zombie.start()
+    await zombie.wait_for_log("state restored")
+    await produce(kafka_bootstrap, env, *(wf_created(e) for e in executions))
+    await read_topic(kafka_bootstrap, topics.outcomes, at_least=2, settle_s=0.0)
+    assert zombie.proc is not None
+    zombie.proc.send_signal(signal.SIGSTOP)  # mid-work: the rest of its calls are queued
+    sample()
+    owner = PodProcess({**env, "SANDBOX_LANES_POD_ID": "pod-b"}, tmp_path / "pod-b.log")
+    try:
+        owner.start()
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=30, timeout_s=120, settle_s=0.5)
+        sample()
+        assert sum(isinstance(r.message, outcomes_pb2.SandboxProvisioned) for r in outcomes) >= 30
+        await produce(kafka_bootstrap, env, *(wf_terminal(e) for e in executions))
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=60, timeout_s=120)
+        sample()
+        in_flight = {q: runner_pids(q) for q in queues if runner_pids(q)}
+        assert len(in_flight) <= 1, in_flight  # at most the one call inside the driver at the stop
+        zombie.proc.send_signal(signal.SIGCONT)
+        for _ in range(40):  # 20 s: its hold, the heartbeat's answer, the rejoin, the revocation
+            await asyncio.sleep(0.5)
+            sample()
+        after_resume = {q: runner_pids(q) for q in queues if runner_pids(q)}
+        reap = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "consumers.tools.cli", "reap", "--apply", "--grace", "0",
+            env={**os.environ, **env},
+        )  # fmt: skip
+        assert await asyncio.wait_for(reap.wait(), 60) == 0
+        left = [q for q in queues if runner_pids(q)]
+    finally:
+        if zombie.proc is not None and zombie.proc.poll() is None:
+            zombie.proc.send_signal(signal.SIGCONT)
+        codes = [pod.terminate()[0] for pod in (zombie, owner) if pod.proc is not None]
+    log = zombie.log()
+    assert after_resume == in_flight, log[-4000:]  # the resumed pod started nothing
+    assert left == [], log[-4000:]
+    assert max(most_at_once.values()) <= 1, most_at_once.most_common(3)
+    assert "event loop stood still" in log, log[-4000:]
+    assert codes == [0, 0], log[-5000:]

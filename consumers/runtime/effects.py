@@ -9,7 +9,9 @@ for the pod to fold back in a later, short transaction.
 
 Ownership: every call carries the partition's ownership epoch. When a partition
 is revoked its queued calls are dropped (the next owner re-runs them from the
-state's outbox) and the results of calls already running are discarded.
+state's outbox) and the results of calls already running are discarded. The
+epoch is checked again right before the driver is called, after the gate (the
+pod's :class:`~consumers.runtime.stall_guard.StallGuard`) has let the call through.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from consumers.lanes.commands import Command, CommandResult
 logger = logging.getLogger("sandbox_lanes.effects")
 
 Run = Callable[[Command], Awaitable[CommandResult]]
+#: Awaited right before each driver call (the pod's stall guard): returns when the call may run.
+Gate = Callable[[], Awaitable[None]]
 
 
 class Completion(NamedTuple):
@@ -46,10 +50,11 @@ class _Call(NamedTuple):
 
 
 class EffectRunner:
-    def __init__(self, run: Run, concurrency: int) -> None:
+    def __init__(self, run: Run, concurrency: int, gate: Gate | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"driver concurrency must be at least 1, got {concurrency}")
         self._run = run
+        self._gate = gate
         self._slots = asyncio.Semaphore(concurrency)
         self.concurrency = concurrency
         #: Per sandbox: the calls waiting behind the one running (a chain exists while it has work).
@@ -145,10 +150,16 @@ class EffectRunner:
                 call = chain[0]
                 if self._current(call):
                     async with self._slots:
-                        started = loop.time()
-                        result = await self._run(call.command)
+                        # Ownership is judged when the call is about to run, not when it queued:
+                        # the partition may have moved while it waited for a slot or a stall's hold.
+                        if self._gate is not None:
+                            await self._gate()
+                        current = self._current(call)
+                        if current:
+                            started = loop.time()
+                            result = await self._run(call.command)
                     finished = loop.time()
-                    if self._current(call):
+                    if current and self._current(call):
                         done = Completion(
                             call.partition, call.key, call.effect_id, call.command, result, started, finished
                         )

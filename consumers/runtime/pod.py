@@ -37,6 +37,7 @@ from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.recovery import restore_and_resume
 from consumers.runtime.shutdown import end_tasks, run_until_bound
 from consumers.runtime.sink import BatchSink, PartitionSinks
+from consumers.runtime.stall_guard import StallGuard
 from consumers.runtime.state_store import StateStore
 from consumers.runtime.topology import ensure_topics
 
@@ -68,7 +69,9 @@ class Pod:
         self.background: list[asyncio.Task[None]] = []
         self._consumer: AIOKafkaConsumer | None = None
         self._sinks: PartitionSinks | None = None
-        self.effects = EffectRunner(self._run_effect, config.driver_concurrency)
+        #: Driver calls wait out a loop stall that may have cost the partitions (a paused pod).
+        self.stall_guard = StallGuard(config.session_timeout_ms / 1000, config.heartbeat_interval_ms / 1000)
+        self.effects = EffectRunner(self._run_effect, config.driver_concurrency, gate=self.stall_guard.clear)
         #: Results whose fold-back transaction failed: folded again next turn.
         self._retry: list[Completion] = []
         #: Partitions whose writer was fenced: nothing of theirs runs until the group reassigns them.
@@ -157,6 +160,7 @@ class Pod:
         """Start, process until stop is requested, then finish the batch in flight and close."""
         await self.start()
         self._running = True
+        self.background.append(asyncio.get_running_loop().create_task(self.stall_guard.watch(self._stop)))
         try:
             await self._bounded_loop()
         finally:
