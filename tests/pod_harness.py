@@ -69,9 +69,12 @@ class Received:
     partition: int = -1
 
 
-async def produce(bootstrap: str, env: dict[str, str], *events: Message) -> None:
+async def produce(
+    bootstrap: str, env: dict[str, str], *events: Message, options: dict[str, Any] | None = None
+) -> None:
+    """Encode and send ``events`` to their topics; ``options`` = extra client options (TLS, SASL)."""
     topics = load_settings(env).topics
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0, **(options or {}))
     await producer.start()
     try:
         for event in events:

@@ -11,8 +11,10 @@ from its file (or command) each time the client asks, so a rotated token is pick
 from __future__ import annotations
 
 import asyncio
+import logging
 import shlex
 import ssl
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -77,6 +79,8 @@ class KafkaSecurity:
         ):
             if path and not Path(path).is_file():
                 raise KafkaSecurityError(f"{name}={path!r} is not a readable file")
+        if self.cert_file:
+            _check_certificate_dates(self.cert_file)
         if not self.uses_sasl:
             if self.sasl_mechanism:
                 raise KafkaSecurityError(
@@ -129,6 +133,48 @@ class KafkaSecurity:
                 options["sasl_plain_username"] = self.sasl_username
                 options["sasl_plain_password"] = self.sasl_password
         return options
+
+
+def _check_certificate_dates(path: str) -> None:
+    """An expired (or not yet valid) client certificate is refused at start-up, naming its dates:
+    the broker would only close the connection, which the client cannot tell from a network fault."""
+    try:
+        decoded = ssl._ssl._test_decode_cert(path)  # type: ignore[attr-defined]  # stdlib's own reader
+        not_before = ssl.cert_time_to_seconds(decoded["notBefore"])
+        not_after = ssl.cert_time_to_seconds(decoded["notAfter"])
+    except (AttributeError, KeyError, ValueError, ssl.SSLError):
+        return  # not readable here: the TLS handshake will judge it
+    now = time.time()
+    if now > not_after:
+        raise KafkaSecurityError(
+            f"KAFKA_SSL_CERT_FILE={path!r}: the client certificate expired on {decoded['notAfter']}"
+        )
+    if now < not_before:
+        raise KafkaSecurityError(
+            f"KAFKA_SSL_CERT_FILE={path!r}: the client certificate is not valid before {decoded['notBefore']}"
+        )
+
+
+class ConnectFailureNote(logging.Handler):
+    """Remembers aiokafka's last connection failure (it logs the reason, then raises a bare
+    ``Unable to bootstrap``), so the pod's own error can say why: bad credentials, an untrusted
+    certificate, a refused connection."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.last = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Unable connect to"):
+            self.last = message
+
+    def __enter__(self) -> ConnectFailureNote:
+        logging.getLogger("aiokafka").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("aiokafka").removeHandler(self)
 
 
 #: No TLS, no SASL: the default of every client.

@@ -19,8 +19,11 @@ from consumers.ops.settings import ConfigError, load_settings
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from aiokafka.errors import KafkaConnectionError
+
     from consumers.ops.compose import compose
     from consumers.ops.http_server import OpsServer
+    from consumers.runtime.kafka_security import ConnectFailureNote
 
     settings = load_settings()
     setup_logging(
@@ -60,15 +63,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
                         f"SANDBOX_LANES_HTTP_HOST={settings.http_host!r} SANDBOX_LANES_HTTP_PORT="
                         f"{settings.http_port}: cannot listen: {exc.strerror or exc}"
                     ) from None
-            await composed.pod.run()
+            with ConnectFailureNote() as note:
+                try:
+                    await composed.pod.run()
+                except KafkaConnectionError as exc:
+                    reason = note.last or str(exc)
+                    raise KafkaUnreachable(
+                        f"cannot connect to Kafka at {settings.bootstrap} over "
+                        f"{settings.kafka_security.protocol}: {reason}"
+                    ) from None
         finally:
             if ops is not None:
                 await ops.stop()
             if composed.provisioner is not None:
                 await composed.provisioner.close()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except KafkaUnreachable as exc:
+        log.error(str(exc))
+        print(f"sandbox-lanes run: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+class KafkaUnreachable(Exception):
+    """The pod could not reach or log in to Kafka (the reason is the client's)."""
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

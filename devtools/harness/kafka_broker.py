@@ -9,6 +9,10 @@ CLI::
     python -m harness.kafka_broker prepare
     python -m harness.kafka_broker start   # prints bootstrap + pid, writes a state file
     python -m harness.kafka_broker stop
+
+``KafkaBroker(secured=True)`` is the opt-in secured variant: SASL_SSL (SCRAM-SHA-256/512, PLAIN,
+unsecured-JWT OAUTHBEARER) and mTLS SSL listeners, the StandardAuthorizer with no ACL meaning deny, TLS
+material from ``harness.kafka_tls``. Its secrets live only in 0600 files of its work dir, never in argv.
 """
 
 from __future__ import annotations
@@ -19,27 +23,42 @@ import contextlib
 import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from harness.cache import cache_root, locked
+from harness.kafka_tls import TlsMaterial
+from harness.kafka_tls import generate as generate_tls
 
 KAFKA_VERSION = "4.4.0"
 LOG4J_VERSION = "2.25.5"  # matches the log4j-core that kafka_2.13 4.4.0 depends on
 STORAGE_TOOL_MAIN = "kafka.tools.StorageTool"
 BROKER_MAIN = "kafka.Kafka"
+ACL_MAIN = "org.apache.kafka.tools.AclCommand"  # kafka-acls.sh
+CONFIG_MAIN = "org.apache.kafka.tools.ConfigCommand"  # kafka-configs.sh
 DEFAULT_JVM_OPTS = (
     "-Xms256m",
     "-Xmx1g",
+    "-XX:+UseSerialGC",
+    "-XX:TieredStopAtLevel=1",
+    "-XX:-UsePerfData",
+    "-Djava.awt.headless=true",
+)
+TOOL_JVM_OPTS = (
+    "-Xms32m",
+    "-Xmx256m",
     "-XX:+UseSerialGC",
     "-XX:TieredStopAtLevel=1",
     "-XX:-UsePerfData",
@@ -56,6 +75,18 @@ POM_XML = f"""<project xmlns="http://maven.apache.org/POM/4.0.0">
       <groupId>org.apache.kafka</groupId>
       <artifactId>kafka_2.13</artifactId>
       <version>{KAFKA_VERSION}</version>
+    </dependency>
+    <dependency>
+      <!-- kafka-acls / kafka-configs (AclCommand, ConfigCommand) for the secured broker; not Connect -->
+      <groupId>org.apache.kafka</groupId>
+      <artifactId>kafka-tools</artifactId>
+      <version>{KAFKA_VERSION}</version>
+      <exclusions>
+        <exclusion>
+          <groupId>org.apache.kafka</groupId>
+          <artifactId>connect-runtime</artifactId>
+        </exclusion>
+      </exclusions>
     </dependency>
     <dependency>
       <groupId>org.apache.logging.log4j</groupId>
@@ -167,9 +198,23 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def alive_brokers(host: str, port: int, timeout: float = 2.0) -> int:
+@contextlib.contextmanager
+def _connect(
+    host: str, port: int, timeout: float, ssl_context: ssl.SSLContext | None
+) -> Iterator[socket.socket]:
+    with socket.create_connection((host, port), timeout=timeout) as raw:
+        if ssl_context is None:
+            yield raw
+            return
+        with ssl_context.wrap_socket(raw, server_hostname=host) as sock:
+            yield sock
+
+
+def alive_brokers(
+    host: str, port: int, timeout: float = 2.0, *, ssl_context: ssl.SSLContext | None = None
+) -> int:
     """Number of unfenced brokers the broker at host:port reports in a Metadata response."""
-    with socket.create_connection((host, port), timeout=timeout) as sock:
+    with _connect(host, port, timeout, ssl_context) as sock:
         resp = _roundtrip(sock, 18, 0, b"")  # ApiVersions v0
         error, count = struct.unpack_from(">hi", resp, 0)
         ranges = {}
@@ -189,17 +234,135 @@ def alive_brokers(host: str, port: int, timeout: float = 2.0) -> int:
         return int(struct.unpack_from(">i", resp, 4)[0])  # skip throttle_time_ms
 
 
-class KafkaBroker:
-    """One KRaft broker+controller process on loopback, with its own temp data dir."""
+# DescribeUserScramCredentials v0 (flexible: request header v2, response header v1)
+_SCRAM_MECHANISMS = {1: "SCRAM-SHA-256", 2: "SCRAM-SHA-512"}
 
-    def __init__(self, *, keep: bool = False, startup_timeout: float = 90.0) -> None:
+
+def _uvarint(value: int) -> bytes:
+    out = b""
+    while value >= 0x80:
+        out += bytes([(value & 0x7F) | 0x80])
+        value >>= 7
+    return out + bytes([value])
+
+
+def _read_uvarint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _read_compact_string(buf: bytes, pos: int) -> tuple[str | None, int]:
+    length, pos = _read_uvarint(buf, pos)
+    if length == 0:
+        return None, pos
+    return buf[pos : pos + length - 1].decode(), pos + length - 1
+
+
+def _skip_tags(buf: bytes, pos: int) -> int:
+    count, pos = _read_uvarint(buf, pos)
+    for _ in range(count):
+        _, pos = _read_uvarint(buf, pos)
+        size, pos = _read_uvarint(buf, pos)
+        pos += size
+    return pos
+
+
+def scram_mechanisms(
+    host: str, port: int, user: str, *, ssl_context: ssl.SSLContext | None = None
+) -> set[str]:
+    """The SCRAM mechanisms the broker at host:port holds credentials for, for user (empty if none)."""
+    client_id = b"kafka_broker.py"
+    name = user.encode()
+    header = struct.pack(">hhih", 50, 0, 1, len(client_id)) + client_id + b"\x00"
+    body = _uvarint(2) + _uvarint(len(name) + 1) + name + b"\x00" + b"\x00"
+    with _connect(host, port, 5.0, ssl_context) as sock:
+        payload = header + body
+        sock.sendall(struct.pack(">i", len(payload)) + payload)
+        resp = _recv_exact(sock, struct.unpack(">i", _recv_exact(sock, 4))[0])
+    pos = _skip_tags(resp, 4)  # correlation id, header tags
+    pos += 4  # throttle_time_ms
+    (error,) = struct.unpack_from(">h", resp, pos)
+    _, pos = _read_compact_string(resp, pos + 2)
+    if error:
+        raise ConnectionError(f"DescribeUserScramCredentials error {error}")
+    found: set[str] = set()
+    results, pos = _read_uvarint(resp, pos)
+    for _ in range(max(results - 1, 0)):
+        got_user, pos = _read_compact_string(resp, pos)
+        (error,) = struct.unpack_from(">h", resp, pos)
+        _, pos = _read_compact_string(resp, pos + 2)
+        infos, pos = _read_uvarint(resp, pos)
+        for _ in range(max(infos - 1, 0)):
+            mechanism = resp[pos]
+            pos = _skip_tags(resp, pos + 5)  # mechanism int8, iterations int32
+            if got_user == user and error == 0 and mechanism in _SCRAM_MECHANISMS:
+                found.add(_SCRAM_MECHANISMS[mechanism])
+        pos = _skip_tags(resp, pos)
+    return found
+
+
+def _write_private(path: Path, text: str) -> Path:
+    """Write text to a file only its owner can read (secrets go to files, never to argv)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    path.chmod(0o600)
+    return path
+
+
+def _argfile_line(arg: str) -> str:
+    """One argument, quoted for a java launcher @argfile."""
+    if "\n" in arg or "\r" in arg:
+        raise KafkaBrokerError("an argument for a java @argfile cannot span lines")
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"\n'
+
+
+_SECRET_UNSAFE = re.compile(r'[\s,\[\]"\\=;]')
+
+
+def _check_secret(secret: str) -> str:
+    """Kafka's SCRAM/JAAS config syntaxes have no quoting: refuse what would break them."""
+    if not secret or _SECRET_UNSAFE.search(secret):
+        raise KafkaBrokerError('password must be non-empty without whitespace or any of ,[]"\\=;')
+    return secret
+
+
+SECURED_MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN", "OAUTHBEARER")
+SCRAM_LOGIN = "org.apache.kafka.common.security.scram.ScramLoginModule"
+PLAIN_LOGIN = "org.apache.kafka.common.security.plain.PlainLoginModule"
+OAUTH_LOGIN = "org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule"
+
+
+class KafkaBroker:
+    """One KRaft broker+controller process on loopback, with its own temp data dir.
+
+    ``secured=True``: listeners SASL_SSL (``port``), SSL with required client certs (``ssl_port``) and
+    CONTROLLER over mTLS; inter-broker traffic on SSL as ``User:broker``. See the module docstring.
+    """
+
+    def __init__(self, *, keep: bool = False, startup_timeout: float = 90.0, secured: bool = False) -> None:
         self.keep = keep
         self.startup_timeout = startup_timeout
+        self.secured = secured
         self.work_dir: Path | None = None
         self.port = 0
         self.controller_port = 0
+        self.ssl_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_seconds = 0.0
+        self.tls: TlsMaterial | None = None
+        self.admin_user = "admin"
+        self.admin_password = secrets.token_urlsafe(18) if secured else ""
+        self.plain_users: dict[str, str] = (
+            {self.admin_user: self.admin_password, "plainuser": secrets.token_urlsafe(18)} if secured else {}
+        )
+        self.super_users = (f"User:{self.admin_user}", "User:broker")
 
     @property
     def bootstrap(self) -> str:
@@ -217,6 +380,164 @@ class KafkaBroker:
         if self.work_dir is None:
             raise KafkaBrokerError("broker was never started")
         return self.work_dir
+
+    # --- secured mode ----------------------------------------------------------------------------------
+
+    def _tls(self) -> TlsMaterial:
+        if not self.secured:
+            raise KafkaBrokerError("not a secured broker (KafkaBroker(secured=True))")
+        if self.tls is None:
+            raise KafkaBrokerError("broker was never started")
+        return self.tls
+
+    @property
+    def sasl_ssl_bootstrap(self) -> str:
+        self._tls()
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def ssl_bootstrap(self) -> str:
+        self._tls()
+        return f"127.0.0.1:{self.ssl_port}"
+
+    @property
+    def tls_dir(self) -> Path:
+        return self._tls().directory
+
+    @property
+    def ca_file(self) -> Path:
+        return self._tls().ca_file
+
+    @property
+    def foreign_ca_file(self) -> Path:
+        return self._tls().foreign_ca_file
+
+    @property
+    def admin_client_config(self) -> Path:
+        """Java client properties (0600) that authenticate as the admin over SASL_SSL SCRAM-SHA-512."""
+        self._tls()
+        return self._work() / "admin-client.properties"
+
+    def client_cert(self, cn: str, *, expired: bool = False) -> tuple[Path, Path]:
+        """A client certificate and key for ``CN=<cn>`` (principal ``User:<cn>`` on the SSL listener)."""
+        return self._tls().client_cert(cn, expired=expired)
+
+    def _broker_ssl_context(self) -> ssl.SSLContext:
+        """Python TLS as the broker's own identity (a super user): for readiness and metadata checks."""
+        tls = self._tls()
+        context = ssl.create_default_context(cafile=str(tls.ca_file))
+        context.load_cert_chain(str(tls.broker_cert), str(tls.broker_key))
+        return context
+
+    def kafka_acls(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Run kafka-acls (AclCommand) as the admin over SASL_SSL; raise with its stderr if it fails."""
+        cmd = [
+            "--bootstrap-server",
+            self.sasl_ssl_bootstrap,
+            "--command-config",
+            str(self.admin_client_config),
+        ]
+        return self._tool(ACL_MAIN, [*cmd, *args])
+
+    def add_scram_user(self, name: str, password: str, mechanism: str = "SCRAM-SHA-512") -> None:
+        """Create (or reset) a SCRAM user via kafka-configs and wait until the broker serves it."""
+        if mechanism not in ("SCRAM-SHA-256", "SCRAM-SHA-512"):
+            raise KafkaBrokerError(f"unknown SCRAM mechanism {mechanism!r}")
+        if not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+            raise KafkaBrokerError(f"SCRAM user name must match [A-Za-z0-9._-]+: {name!r}")
+        config = f"{mechanism}=[iterations=4096,password={_check_secret(password)}]"
+        self._tool(
+            CONFIG_MAIN,
+            [
+                "--bootstrap-server", self.sasl_ssl_bootstrap,
+                "--command-config", str(self.admin_client_config),
+                "--alter", "--entity-type", "users", "--entity-name", name, "--add-config", config,
+            ],
+            mask=(password,),
+        )  # fmt: skip
+        context = self._broker_ssl_context()
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if mechanism in scram_mechanisms("127.0.0.1", self.ssl_port, name, ssl_context=context):
+                    return
+            except (OSError, struct.error, IndexError):
+                pass
+            if time.monotonic() > deadline:
+                raise KafkaBrokerError(
+                    f"broker does not list the {mechanism} credential of {name!r} after 30s"
+                )
+            time.sleep(0.1)
+
+    def _tool(
+        self, main: str, args: list[str], *, mask: tuple[str, ...] = ()
+    ) -> subprocess.CompletedProcess[str]:
+        """A Kafka CLI tool on the broker's classpath. Main class and arguments go through a 0600 java
+        @argfile, so nothing passed here shows in any process's argv; secrets are masked in errors."""
+        work = self._work()
+        argfile = work / f"tool-{uuid.uuid4().hex}.args"
+        _write_private(argfile, "".join(_argfile_line(a) for a in (main, *args)))
+        cmd = self._java(f"@{argfile}", logs_dir=work / "tool-logs", jvm_opts=TOOL_JVM_OPTS)
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+        finally:
+            argfile.unlink(missing_ok=True)
+        if result.returncode != 0:
+            err, out = result.stderr, result.stdout
+            for secret in mask:
+                err, out = err.replace(secret, "***"), out.replace(secret, "***")
+            name = main.rsplit(".", 1)[-1]
+            raise KafkaBrokerError(
+                f"{name} failed ({result.returncode}):\n{err.strip()}\n{out.strip()[-2000:]}"
+            )
+        return result
+
+    def _secured_properties(self) -> dict[str, str]:
+        tls = self._tls()
+        mechanisms = ",".join(SECURED_MECHANISMS)
+        plain_users = " ".join(f'user_{name}="{_check_secret(pw)}"' for name, pw in self.plain_users.items())
+        sasl = "listener.name.sasl_ssl"
+        return {
+            "listeners": (
+                f"SASL_SSL://127.0.0.1:{self.port},SSL://127.0.0.1:{self.ssl_port},"
+                f"CONTROLLER://127.0.0.1:{self.controller_port}"
+            ),
+            "advertised.listeners": f"SASL_SSL://127.0.0.1:{self.port},SSL://127.0.0.1:{self.ssl_port}",
+            "listener.security.protocol.map": "SASL_SSL:SASL_SSL,SSL:SSL,CONTROLLER:SSL",
+            "inter.broker.listener.name": "SSL",
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(tls.broker_keystore),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(tls.ca_file),
+            "ssl.endpoint.identification.algorithm": "https",
+            "ssl.principal.mapping.rules": "RULE:^CN=(.*?)$/$1/,DEFAULT",
+            "listener.name.ssl.ssl.client.auth": "required",
+            "listener.name.controller.ssl.client.auth": "required",
+            f"{sasl}.ssl.client.auth": "none",
+            "sasl.enabled.mechanisms": mechanisms,
+            f"{sasl}.sasl.enabled.mechanisms": mechanisms,
+            f"{sasl}.scram-sha-256.sasl.jaas.config": f"{SCRAM_LOGIN} required;",
+            f"{sasl}.scram-sha-512.sasl.jaas.config": f"{SCRAM_LOGIN} required;",
+            f"{sasl}.plain.sasl.jaas.config": f"{PLAIN_LOGIN} required {plain_users};",
+            # no server callback handler: Kafka's unsecured JWT validator (alg "none", principal = "sub")
+            f"{sasl}.oauthbearer.sasl.jaas.config": (
+                f'{OAUTH_LOGIN} required unsecuredLoginStringClaim_sub="broker";'
+            ),
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "allow.everyone.if.no.acl.found": "false",
+            "super.users": ";".join(self.super_users),
+        }
+
+    def _admin_client_properties(self) -> str:
+        jaas = f'{SCRAM_LOGIN} required username="{self.admin_user}" password="{self.admin_password}";'
+        props = {
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": "SCRAM-SHA-512",
+            "sasl.jaas.config": jaas,
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(self.ca_file),
+        }
+        return "".join(f"{k}={v}\n" for k, v in props.items())
 
     def _properties(self) -> str:
         work = self._work()
@@ -246,15 +567,23 @@ class KafkaBroker:
             "log.cleaner.backoff.ms": "1000",
             "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
         }
+        if self.secured:
+            props.update(self._secured_properties())
         return "".join(f"{k}={v}\n" for k, v in props.items())
 
-    def _java(self, main: str, *args: str) -> list[str]:
+    def _java(
+        self,
+        main: str,
+        *args: str,
+        logs_dir: Path | None = None,
+        jvm_opts: tuple[str, ...] = DEFAULT_JVM_OPTS,
+    ) -> list[str]:
         cache = prepare()
-        opts = os.environ.get("SANDBOX_LANES_KAFKA_JVM_OPTS", "").split() or list(DEFAULT_JVM_OPTS)
+        opts = os.environ.get("SANDBOX_LANES_KAFKA_JVM_OPTS", "").split() or list(jvm_opts)
         return [
             "java", *opts,
             f"-Dlog4j2.configurationFile={cache / 'log4j2.xml'}",
-            f"-Dkafka.logs.dir={self._work() / 'logs'}",
+            f"-Dkafka.logs.dir={logs_dir or self._work() / 'logs'}",
             "-cp", str(cache / "lib" / "*"), main, *args,
         ]  # fmt: skip
 
@@ -268,16 +597,21 @@ class KafkaBroker:
         if fresh:
             self.work_dir = Path(tempfile.mkdtemp(prefix="sandbox-lanes-kafka-"))
             self.port, self.controller_port = _free_port(), _free_port()
+            if self.secured:
+                self.ssl_port = _free_port()
         work = self._work()
         props = work / "server.properties"
         if fresh:
-            props.write_text(self._properties())
-            fmt = self._java(STORAGE_TOOL_MAIN, "format", "-t", _cluster_id(), "-c", str(props))
-            result = subprocess.run(fmt, capture_output=True, text=True, timeout=120, check=False)
-            if result.returncode != 0:
-                self.stop(remove=True)
-                tail = "\n".join((result.stdout + result.stderr).splitlines()[-40:])
-                raise KafkaBrokerError(f"kafka storage format failed ({result.returncode}):\n{tail}")
+            if self.secured:
+                self._prepare_secured(work, props)
+            else:
+                props.write_text(self._properties())
+                fmt = self._java(STORAGE_TOOL_MAIN, "format", "-t", _cluster_id(), "-c", str(props))
+                result = subprocess.run(fmt, capture_output=True, text=True, timeout=120, check=False)
+                if result.returncode != 0:
+                    self.stop(remove=True)
+                    tail = "\n".join((result.stdout + result.stderr).splitlines()[-40:])
+                    raise KafkaBrokerError(f"kafka storage format failed ({result.returncode}):\n{tail}")
         console = work / "console.log"
         with console.open("ab") as out:
             self.proc = subprocess.Popen(
@@ -287,15 +621,30 @@ class KafkaBroker:
         self._wait_ready()
         self.startup_seconds = time.monotonic() - began
 
+    def _prepare_secured(self, work: Path, props: Path) -> None:
+        """TLS material, 0600 server/admin properties, and the format with the admin's SCRAM credential."""
+        try:
+            self.tls = generate_tls(work / "tls")
+            _write_private(props, self._properties())
+            _write_private(self.admin_client_config, self._admin_client_properties())
+            scram = f"SCRAM-SHA-512=[name={self.admin_user},password={_check_secret(self.admin_password)}]"
+            args = ["format", "-t", _cluster_id(), "-c", str(props), "--add-scram", scram]
+            self._tool(STORAGE_TOOL_MAIN, args, mask=(self.admin_password,))
+        except Exception as exc:
+            self.stop(remove=True)
+            raise KafkaBrokerError(f"secured broker setup failed: {exc}") from exc
+
     def _wait_ready(self) -> None:
         assert self.proc is not None
         deadline = time.monotonic() + self.startup_timeout
         last: Exception | str = "no answer yet"
+        context = self._broker_ssl_context() if self.secured else None
+        port = self.ssl_port if self.secured else self.port
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self._fail(f"broker exited with code {self.proc.returncode} during startup")
             try:
-                if alive_brokers("127.0.0.1", self.port) >= 1:
+                if alive_brokers("127.0.0.1", port, ssl_context=context) >= 1:
                     return
                 last = "metadata lists no alive broker yet"
             except (OSError, struct.error) as exc:
@@ -323,6 +672,7 @@ class KafkaBroker:
         if remove and self.work_dir is not None:
             shutil.rmtree(self.work_dir, ignore_errors=True)
             self.work_dir = None
+            self.tls = None
 
     def restart(self) -> None:
         """Stop and start again on the same ports and the same data dir."""
