@@ -8,12 +8,15 @@ with the README's own ``kafka-acls`` lines (topic and group names substituted), 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import re
 import secrets
 import shlex
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,8 +28,8 @@ from aiokafka.helpers import create_ssl_context
 
 from consumers.ops.settings import load_settings
 from consumers.runtime.topology import Topics
-from events.codec import OUTCOME_TYPES, decode
-from events.sandbox_lanes.v1 import outcomes_pb2
+from events.codec import OUTCOME_TYPES, decode, new_meta
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
 from tests.pod_harness import PodProcess, produce, unique_env, wf_created, wf_terminal
 from tests.proc_util import runner_pids
 
@@ -256,3 +259,71 @@ async def test_a_connection_the_broker_refuses_fails_fast_with_a_clear_error(
         assert "sandbox-lanes run: cannot connect to Kafka at" in result.stderr, out[-3000:]
     assert expected.lower() in result.stderr.lower(), out[-3000:]
     assert "right-password-123" not in out and "wrong-password-456" not in out
+
+
+async def test_the_tools_log_in_with_mtls_plain_and_an_oauthbearer_token_file(
+    secured_kafka: Any, tmp_path: Path
+) -> None:
+    """The pod's client options, each mechanism once, through ``sandbox-lanes tail`` as a principal
+    with Read on what it reads (outcomes and inputs): a client certificate on the SSL listener, SASL PLAIN, and an
+    OAUTHBEARER token read from a file (an unsigned JWT for the broker's test validator)."""
+    env = unique_env(secured_kafka.sasl_ssl_bootstrap, tmp_path)
+    topics = load_settings(env).topics
+    await create_topics(secured_kafka, topics)
+    await produce(
+        secured_kafka.sasl_ssl_bootstrap,
+        env,
+        inputs_pb2.ExecutionCreated(  # an input to read back, nothing to provision
+            meta=new_meta(), kind=common_pb2.WORKFLOW_EXECUTION, execution_id=f"wfx_tools_{RUN}"
+        ),
+        options=admin_auth(secured_kafka),
+    )
+    cert, key = secured_kafka.client_cert(f"sl-mtls-{RUN}")
+    token = tmp_path / "oauth.jwt"
+    claims = {"sub": f"sl-oauth-{RUN}", "iat": int(time.time()), "exp": int(time.time()) + 3600}
+    token.write_text(f"{_b64({'alg': 'none'})}.{_b64(claims)}.")
+    password_file = tmp_path / "plain.password"
+    password_file.write_text(secured_kafka.plain_users["plainuser"])
+    logins = {
+        f"User:sl-mtls-{RUN}": {
+            "KAFKA_BOOTSTRAP_SERVERS": secured_kafka.ssl_bootstrap,
+            "KAFKA_SECURITY_PROTOCOL": "SSL",
+            "KAFKA_SSL_CERT_FILE": str(cert),
+            "KAFKA_SSL_KEY_FILE": str(key),
+        },
+        "User:plainuser": {
+            "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "KAFKA_SASL_MECHANISM": "PLAIN",
+            "KAFKA_SASL_USERNAME": "plainuser",
+            "KAFKA_SASL_PASSWORD_FILE": str(password_file),
+        },
+        f"User:sl-oauth-{RUN}": {
+            "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "KAFKA_SASL_MECHANISM": "OAUTHBEARER",
+            "KAFKA_SASL_OAUTHBEARER_TOKEN_FILE": str(token),
+        },
+    }
+    for principal, login in logins.items():
+        secured_kafka.kafka_acls(
+            "--add",
+            "--allow-principal",
+            principal,
+            "--operation",
+            "Read",
+            *(
+                a for t in (topics.outcomes, *topics.inputs) for a in ("--topic", t)
+            ),  # what tail --inputs reads
+        )
+        tail = cli(
+            {**env, "KAFKA_SSL_CA_FILE": str(secured_kafka.ca_file), **login},
+            "tail",
+            "--inputs",
+            "--idle-timeout",
+            "3",
+        )
+        assert tail.returncode == 0, (principal, tail.stderr[-2000:])
+        assert f"wfx_tools_{RUN}" in tail.stdout, (principal, tail.stdout[-2000:], tail.stderr[-2000:])
+
+
+def _b64(obj: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps(obj).encode()).rstrip(b"=").decode()
