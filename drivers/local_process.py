@@ -112,6 +112,27 @@ def identity_of(pid: int) -> ProcessIdentity | None:
     return ProcessIdentity(pid, stat[2], _boot_id())
 
 
+def unrecorded_runner(workspace: Path) -> ProcessIdentity | None:
+    """A live runner of this workspace that no record names: a group leader whose environment has
+    ``WORKSPACE_ROOT_DIR=<workspace>``. Another pod (sharing the state dir) spawned it and stopped
+    before recording it (a SIGSTOP, a crash between the two): it is adopted, not doubled."""
+    needle = f"WORKSPACE_ROOT_DIR={workspace}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle not in environ:
+            continue
+        pid = int(entry.name)
+        stat = _read_stat(pid)
+        if _is_live(stat) and stat is not None and stat[1] == pid:
+            return ProcessIdentity(pid, stat[2], _boot_id())
+    return None
+
+
 def is_same_live_process(identity: ProcessIdentity) -> bool:
     """True if ``identity.pid`` is still that very process and has not exited."""
     if identity.boot_id and identity.boot_id != _boot_id():
@@ -278,6 +299,10 @@ class LocalProcessProvisioner(ScopedMethods):
         async with self._lock(name):
             if self._live_record(name) is not None:
                 return "running"
+            found = await asyncio.to_thread(unrecorded_runner, workspace)
+            if found is not None:
+                self._adopt(scope, sandbox_id, name, workspace, found)
+                return "running"
             try:
                 workspace.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -306,6 +331,14 @@ class LocalProcessProvisioner(ScopedMethods):
                     f"{exc.strerror or exc}"
                 ) from exc
             identity = identity_of(proc.pid)
+            other = self._live_record(name)
+            if other is not None and identity is not None and other.identity != identity:
+                # Another pod recorded a runner for this name while this one was spawning (this
+                # process was stopped in between): keep theirs, end ours.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+                return "running"
             if identity is not None:
                 record = ChildRecord(
                     scope=scope,
@@ -342,6 +375,27 @@ class LocalProcessProvisioner(ScopedMethods):
             )
             return "running"
 
+    def _adopt(
+        self, scope: SandboxScope, sandbox_id: str, name: str, workspace: Path, identity: ProcessIdentity
+    ) -> None:
+        record = ChildRecord(
+            scope=scope,
+            sandbox_id=sandbox_id,
+            name=name,
+            pid=identity.pid,
+            pgid=identity.pid,
+            start_time=identity.start_time,
+            boot_id=identity.boot_id,
+            command=list(self._command),
+            workspace=str(workspace),
+            started_at=time.time(),
+        )
+        self._write_record(record)
+        self._logger.info(
+            "Local-process sandbox adopted (running, unrecorded)",
+            extra={"scope": scope, "id": sandbox_id, "pid": identity.pid},
+        )
+
     async def _watch(
         self,
         scope: SandboxScope,
@@ -371,7 +425,14 @@ class LocalProcessProvisioner(ScopedMethods):
         async with self._lock(name):
             record = self._read_record(name)
             if record is None:
-                return
+                # Spawned by a pod that stopped before recording it: still this sandbox's runner.
+                found = await asyncio.to_thread(unrecorded_runner, self.workspace_dir(scope, sandbox_id))
+                if found is None:
+                    return
+                self._adopt(scope, sandbox_id, name, self.workspace_dir(scope, sandbox_id), found)
+                record = self._read_record(name)
+                if record is None:
+                    return
             await self._terminate(record)
             proc = self._children.pop(name, None)
             if proc is not None:

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -323,3 +324,44 @@ async def test_a_path_escaping_id_is_refused(make: Factory) -> None:
     p = make()
     with pytest.raises(SandboxError, match="not usable as a directory name"):
         await p.ensure("session", "../escape", _env("session:../escape"))
+
+
+async def test_a_runner_another_pod_spawned_but_never_recorded_is_adopted_not_doubled(make: Factory) -> None:
+    """A pod that stopped (SIGSTOP, a crash) between spawning a runner and recording it left a live,
+    unrecorded runner: the next ensure (another pod, same state dir) adopts it instead of starting
+    a second, and its deprovision ends it."""
+    p = make()
+    workspace = p.workspace_dir("workflow", "wfx_lp_orphan")
+    workspace.mkdir(parents=True)
+    stray = subprocess.Popen(
+        shlex.split(runner_command()),
+        env={**os.environ, "WORKSPACE_ROOT_DIR": str(workspace), "STIGMER_TASK_QUEUE": "wfexec:wfx_lp_orphan"},
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        await _wait_for(workspace / STARTS_FILE)
+        assert await p.ensure("workflow", "wfx_lp_orphan", _env("wfexec:wfx_lp_orphan")) == "running"
+        assert _starts(p, "workflow", "wfx_lp_orphan") == [stray.pid]  # no second runner
+        assert [s.sandbox_id for s in await p.list_managed()] == ["wfx_lp_orphan"]
+        await p.deprovision("workflow", "wfx_lp_orphan")
+        assert stray.wait(10) is not None
+    finally:
+        if stray.poll() is None:
+            stray.kill()
+            stray.wait(5)
+    # An unrecorded runner met first by a deprovision is ended as well.
+    again = subprocess.Popen(
+        shlex.split(runner_command()),
+        env={**os.environ, "WORKSPACE_ROOT_DIR": str(workspace)},
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        await asyncio.sleep(0.3)
+        await p.deprovision("workflow", "wfx_lp_orphan")
+        assert again.wait(10) is not None
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait(5)
