@@ -61,6 +61,19 @@ done
 """
 
 
+def unmount_under(root: Path) -> list[str]:
+    """Unmount everything mounted at or below ``root`` (deepest first); returns the mount points."""
+    prefix = str(Path(root).resolve())
+    points = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        point = line.split()[1].replace("\\040", " ")
+        if point == prefix or point.startswith(prefix + "/"):
+            points.append(point)
+    for point in sorted(points, key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], check=False, capture_output=True)
+    return points
+
+
 class DockerdError(RuntimeError):
     """The engine could not be started, reached or used."""
 
@@ -295,6 +308,7 @@ class Dockerd:
         """Stop the engine; remove the root too when this object created it (or ``purge``)."""
         self.stop_engine_only()
         if purge if purge is not None else self._own_root:
+            unmount_under(self.root)  # dockerd leaves its default netns bind-mounted
             shutil.rmtree(self.root, ignore_errors=True)
 
     # -- image ---------------------------------------------------------------
