@@ -340,18 +340,7 @@ class LocalProcessProvisioner(ScopedMethods):
                 await proc.wait()
                 return "running"
             if identity is not None:
-                record = ChildRecord(
-                    scope=scope,
-                    sandbox_id=sandbox_id,
-                    name=name,
-                    pid=proc.pid,
-                    pgid=proc.pid,
-                    start_time=identity.start_time,
-                    boot_id=identity.boot_id,
-                    command=list(self._command),
-                    workspace=str(workspace),
-                    started_at=time.time(),
-                )
+                record = self._new_record(scope, sandbox_id, name, workspace, identity)
                 try:
                     self._write_record(record)
                 except OSError as exc:
@@ -375,10 +364,11 @@ class LocalProcessProvisioner(ScopedMethods):
             )
             return "running"
 
-    def _adopt(
+    def _new_record(
         self, scope: SandboxScope, sandbox_id: str, name: str, workspace: Path, identity: ProcessIdentity
-    ) -> None:
-        record = ChildRecord(
+    ) -> ChildRecord:
+        """The record of a runner (its own process group leader)."""
+        return ChildRecord(
             scope=scope,
             sandbox_id=sandbox_id,
             name=name,
@@ -390,7 +380,11 @@ class LocalProcessProvisioner(ScopedMethods):
             workspace=str(workspace),
             started_at=time.time(),
         )
-        self._write_record(record)
+
+    def _adopt(
+        self, scope: SandboxScope, sandbox_id: str, name: str, workspace: Path, identity: ProcessIdentity
+    ) -> None:
+        self._write_record(self._new_record(scope, sandbox_id, name, workspace, identity))
         self._logger.info(
             "Local-process sandbox adopted (running, unrecorded)",
             extra={"scope": scope, "id": sandbox_id, "pid": identity.pid},
