@@ -202,11 +202,11 @@ async def test_a_resumed_zombie_creates_no_sandbox_for_an_execution_that_moved_a
     """Two pods, the real local-process driver one call at a time (a slow driver: calls queue).
     The first pod is stopped with calls queued; the second takes over, provisions every execution
     and, after their terminal phases, tears every runner down; then the first resumes. None of its
-    queued calls may start: no new runner appears after the resume, and no execution ever has two
-    runners at once (a runner the stopped pod spawned but had not recorded is adopted by the new
-    owner's ensure or ended by its teardown). The one call inside the driver at the stop may still
-    finish after the resume; a runner it leaves for an ended execution is the reaper's, and one pass
-    removes it, so nothing of an ended execution stays."""
+    queued calls may start, and no execution ever has two runners at once (a runner the stopped pod
+    spawned but had not recorded is adopted by the new owner's ensure or ended by its teardown). The
+    one call that was inside the driver at the stop (concurrency 1) is past every check and may
+    still spawn its runner after the resume: at most that one runner appears. A runner left for an
+    ended execution is the reaper's, and one pass removes it, so nothing of an ended execution stays."""
     env = unique_env(
         kafka_bootstrap, tmp_path, SANDBOX_LANES_DRIVER_CONCURRENCY="1", SANDBOX_LANES_REAP_INTERVAL_S="0"
     )
@@ -254,7 +254,8 @@ async def test_a_resumed_zombie_creates_no_sandbox_for_an_execution_that_moved_a
             zombie.proc.send_signal(signal.SIGCONT)
         codes = [pod.terminate()[0] for pod in (zombie, owner) if pod.proc is not None]
     log = zombie.log()
-    assert set(after_resume) <= set(in_flight), log[-4000:]  # the resumed pod started nothing
+    # The resumed pod started nothing but, at most, the one call already inside the driver.
+    assert len(set(after_resume) - set(in_flight)) <= 1, (after_resume, in_flight, log[-4000:])
     assert left == [], log[-4000:]
     assert max(most_at_once.values()) <= 1, most_at_once.most_common(3)
     assert "event loop stood still" in log, log[-4000:]
