@@ -383,12 +383,14 @@ class LocalProcessProvisioner(ScopedMethods):
 
     def _adopt(
         self, scope: SandboxScope, sandbox_id: str, name: str, workspace: Path, identity: ProcessIdentity
-    ) -> None:
-        self._write_record(self._new_record(scope, sandbox_id, name, workspace, identity))
+    ) -> ChildRecord:
+        record = self._new_record(scope, sandbox_id, name, workspace, identity)
+        self._write_record(record)
         self._logger.info(
             "Local-process sandbox adopted (running, unrecorded)",
             extra={"scope": scope, "id": sandbox_id, "pid": identity.pid},
         )
+        return record
 
     async def _watch(
         self,
@@ -420,13 +422,11 @@ class LocalProcessProvisioner(ScopedMethods):
             record = self._read_record(name)
             if record is None:
                 # Spawned by a pod that stopped before recording it: still this sandbox's runner.
-                found = await asyncio.to_thread(unrecorded_runner, self.workspace_dir(scope, sandbox_id))
+                workspace = self.workspace_dir(scope, sandbox_id)
+                found = await asyncio.to_thread(unrecorded_runner, workspace)
                 if found is None:
                     return
-                self._adopt(scope, sandbox_id, name, self.workspace_dir(scope, sandbox_id), found)
-                record = self._read_record(name)
-                if record is None:
-                    return
+                record = self._adopt(scope, sandbox_id, name, workspace, found)
             await self._terminate(record)
             proc = self._children.pop(name, None)
             if proc is not None:

@@ -310,14 +310,15 @@ def _validate_input(message: Message, key: bytes | None) -> None:
             f"unsupported schema_version {meta.schema_version} (this pod reads {SCHEMA_VERSION})"
         )
     record = record_key(message)
-    if not state_key(message):
+    state = state_key(message)
+    if not state:
         field = "session_id" if isinstance(message, inputs_pb2.SessionDeleted) else "execution_id"
         raise DecodeError(f"missing {field}")
     if key is None or key == b"":
         raise DecodeError("missing record key")
     if key.decode("utf-8", errors="replace") != record:
         because = ""
-        if record != state_key(message):
+        if record != state:
             because = " (an agent execution's events are keyed by its session id)"
         raise DecodeError(
             f"record key '{key.decode('utf-8', errors='replace')}' does not match '{record}'{because}"

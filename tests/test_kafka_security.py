@@ -26,7 +26,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.helpers import create_ssl_context
 
-from consumers.ops.settings import load_settings
+from consumers.ops.settings import Settings, load_settings
 from consumers.runtime.topology import Topics
 from events.codec import OUTCOME_TYPES, decode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
@@ -140,15 +140,24 @@ def cli(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.C
     )
 
 
+async def pod_deployment(
+    broker: Any, tmp_path: Path, user: str
+) -> tuple[str, dict[str, str], Settings]:
+    """A SCRAM user of its own, the pod's settings for it, and its topics created by the admin."""
+    password = secrets.token_urlsafe(18)
+    broker.add_scram_user(user, password)
+    env = secured_env(broker, tmp_path, user, password)
+    settings = load_settings(env)
+    await create_topics(broker, settings.topics)
+    return password, env, settings
+
+
 async def test_the_pod_runs_the_whole_flow_over_sasl_ssl_with_exactly_the_readme_acls(
     secured_kafka: Any, tmp_path: Path
 ) -> None:
-    user, password = f"sl-pod-{RUN}", secrets.token_urlsafe(18)
-    secured_kafka.add_scram_user(user, password)
-    env = secured_env(secured_kafka, tmp_path, user, password)
-    settings = load_settings(env)
+    user = f"sl-pod-{RUN}"
+    password, env, settings = await pod_deployment(secured_kafka, tmp_path, user)
     topics = settings.topics
-    await create_topics(secured_kafka, topics)
     acls = pod_acls(f"User:{user}", topics, settings.group_id)
     assert len(acls) == 5  # inputs, state, outputs, group, transactional ids
     for args in acls:
@@ -198,12 +207,9 @@ async def test_a_missing_acl_is_an_authorization_error_naming_the_resource(
 ) -> None:
     """Every README ACL but the outcome and dead-letter topics' Write: a record the pod must
     dead-letter cannot be written, and the pod says which topic it may not write."""
-    user, password = f"sl-noacl-{RUN}", secrets.token_urlsafe(18)
-    secured_kafka.add_scram_user(user, password)
-    env = secured_env(secured_kafka, tmp_path, user, password)
-    settings = load_settings(env)
+    user = f"sl-noacl-{RUN}"
+    _, env, settings = await pod_deployment(secured_kafka, tmp_path, user)
     topics = settings.topics
-    await create_topics(secured_kafka, topics)
     for args in pod_acls(f"User:{user}", topics, settings.group_id):
         if topics.outcomes not in args:
             secured_kafka.kafka_acls(*args)

@@ -333,12 +333,7 @@ async def test_a_runner_another_pod_spawned_but_never_recorded_is_adopted_not_do
     p = make()
     workspace = p.workspace_dir("workflow", "wfx_lp_orphan")
     workspace.mkdir(parents=True)
-    stray = subprocess.Popen(
-        shlex.split(runner_command()),
-        env={**os.environ, "WORKSPACE_ROOT_DIR": str(workspace), "STIGMER_TASK_QUEUE": "wfexec:wfx_lp_orphan"},
-        start_new_session=True,
-        stdin=subprocess.DEVNULL,
-    )
+    stray = _runner_of_another_pod(workspace)
     try:
         await _wait_for(workspace / STARTS_FILE)
         assert await p.ensure("workflow", "wfx_lp_orphan", _env("wfexec:wfx_lp_orphan")) == "running"
@@ -351,12 +346,7 @@ async def test_a_runner_another_pod_spawned_but_never_recorded_is_adopted_not_do
             stray.kill()
             stray.wait(5)
     # An unrecorded runner met first by a deprovision is ended as well.
-    again = subprocess.Popen(
-        shlex.split(runner_command()),
-        env={**os.environ, "WORKSPACE_ROOT_DIR": str(workspace)},
-        start_new_session=True,
-        stdin=subprocess.DEVNULL,
-    )
+    again = _runner_of_another_pod(workspace)
     try:
         await asyncio.sleep(0.3)
         await p.deprovision("workflow", "wfx_lp_orphan")
@@ -365,3 +355,14 @@ async def test_a_runner_another_pod_spawned_but_never_recorded_is_adopted_not_do
         if again.poll() is None:
             again.kill()
             again.wait(5)
+
+
+def _runner_of_another_pod(workspace: Path) -> subprocess.Popen[bytes]:
+    """A runner as another pod's driver starts it (own process group, the sandbox's workspace in
+    its environment), with no record in the state dir."""
+    return subprocess.Popen(
+        shlex.split(runner_command()),
+        env={**os.environ, "WORKSPACE_ROOT_DIR": str(workspace), "STIGMER_TASK_QUEUE": "wfexec:wfx_lp_orphan"},
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )

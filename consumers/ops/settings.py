@@ -335,6 +335,11 @@ def _secret_text(env: Mapping[str, str], name: str) -> str:
         raise ConfigError(f"{name} and {name}_FILE are both set: give one")
     if value or not path:
         return value
+    return _secret_file_text(name, path)
+
+
+def _secret_file_text(name: str, path: str) -> str:
+    """The text of the file ``<name>_FILE`` names (stripped), or a ConfigError naming it."""
     try:
         return Path(path).read_text().strip()
     except OSError as exc:
@@ -367,13 +372,8 @@ def _token_key_text(env: Mapping[str, str]) -> str:
     name, raw = "STIGMER_RUNNER_TOKEN_KEY", _get(env, "STIGMER_RUNNER_TOKEN_KEY")
     path = _get(env, "STIGMER_RUNNER_TOKEN_KEY_FILE")
     if not raw and path:
+        raw = _secret_file_text(name, path)
         name = "STIGMER_RUNNER_TOKEN_KEY_FILE"
-        try:
-            raw = Path(path).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"STIGMER_RUNNER_TOKEN_KEY_FILE={path!r} cannot be read: {exc.strerror}"
-            ) from None
     if not raw:
         return ""
     try:

@@ -77,9 +77,7 @@ class PartitionTransaction:
     async def fold(self, completion: Completion) -> None:
         """One driver result back into its execution's state: the outcome event, the entry removed."""
         key = completion.key
-        state = self.overlay.get(key)
-        if state is None:
-            state = self.store.get(self.partition, key)
+        state = self._stored(key)
         if state is None:
             return
         outcome = self.processor.complete(state, completion.effect_id, completion.command, completion.result)
