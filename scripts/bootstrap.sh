@@ -27,6 +27,10 @@ if [[ $want_system -eq 1 ]]; then
   # compose/docker-compose.yml is validated with `docker compose config` or Debian's docker-compose
   docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || missing+=(docker-compose)
   command -v etcd >/dev/null || missing+=(etcd-server)
+  # the single-node Kubernetes of the tests (devtools/harness/kube_node.py)
+  command -v containerd >/dev/null || missing+=(containerd)
+  command -v runc >/dev/null || missing+=(runc)
+  [[ -x /usr/lib/cni/loopback ]] || missing+=(containernetworking-plugins)
   [[ -x /bin/busybox ]] || missing+=(busybox-static)
   # the pod image test builds its Python base from Debian packages (devtools/harness/python_base_image.py)
   command -v debootstrap >/dev/null || [[ -x /usr/sbin/debootstrap ]] || missing+=(debootstrap)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite from nothing: system packages, Python deps, Apache Kafka 4.4.0 (via Maven),
-# kube-apiserver (built from source via the Go module proxy), a Debian Python base rootfs for the pod
+# kube-apiserver, -controller-manager, -scheduler and kubelet (one build from source via the Go module proxy), a Debian Python base rootfs for the pod
 # image test (debootstrap), then pytest. The Kafka broker,
-# dockerd and kube-apiserver+etcd are started by pytest session fixtures and stopped at the end.
+# dockerd, kube-apiserver+etcd and a single-node cluster (containerd + kubelet) are started by pytest session fixtures and stopped at the end.
 # Caches live outside the repo, in ${SANDBOX_LANES_CACHE:-~/.cache/sandbox-lanes}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ export PATH="/usr/local/go/bin:$PATH"
 scripts/bootstrap.sh
 echo "[test] fetching Apache Kafka 4.4.0 with Maven (cached)" >&2
 .venv/bin/python -m harness.kafka_broker prepare
-echo "[test] building kube-apiserver from source (cached)" >&2
+echo "[test] building kubernetes (apiserver, controller-manager, scheduler, kubelet) from source (cached)" >&2
 .venv/bin/python -m harness.kube_apiserver build
 echo "[test] building the Debian Python base for the pod image test (cached)" >&2
 .venv/bin/python -m harness.python_base_image prepare
