@@ -58,14 +58,16 @@ def _sh(cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def _kubepods_cgroups() -> list[Path]:
+def _cgroup_dirs(name: str) -> list[Path]:
+    """``name`` under every cgroup v1 controller hierarchy (and the v2 root, if unified)."""
     root = Path("/sys/fs/cgroup")
     found = []
     with contextlib.suppress(OSError):
+        if (root / "cgroup.controllers").exists():
+            return [root / name]
         for controller in root.iterdir():
-            for name in ("kubepods", "kubepods.slice"):
-                if (controller / name).is_dir():
-                    found.append(controller / name)
+            if controller.is_dir() and not controller.is_symlink() and (controller / "tasks").exists():
+                found.append(controller / name)
     return found
 
 
@@ -91,6 +93,8 @@ class KubeNode(KubeApiServer):
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._saved_sysctls: dict[str, str] = {}
         self._hostpath_before: set[str] = set()
+        #: The kubelet's cgroup root, its own so two nodes (or a leftover) never share ``kubepods``.
+        self.cgroup_root = f"sandbox-lanes-kube-{os.getpid()}-{id(self) & 0xFFFF:x}"
 
     # -- paths
     @property
@@ -148,7 +152,7 @@ class KubeNode(KubeApiServer):
             self._kill_leftover_shims()
         if self.workdir is not None:
             unmount_under(self.workdir)
-        for top in _kubepods_cgroups():
+        for top in _cgroup_dirs(self.cgroup_root):
             _remove_cgroup_tree(top)
         self._restore_sysctls()
         if HOSTPATH_PV_ROOT.is_dir():
@@ -325,6 +329,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
             "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False}},
             "authorization": {"mode": "AlwaysAllow"},
             "cgroupDriver": "cgroupfs",
+            "cgroupRoot": f"/{self.cgroup_root}",
             "failSwapOn": False,
             "failCgroupV1": False,
             "oomScoreAdj": 0,
@@ -345,6 +350,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
         config_path = self.workdir / "kubelet-config.json"
         config_path.write_text(json.dumps(config, indent=2))
         self._save_sysctls()
+        for d in _cgroup_dirs(self.cgroup_root):  # the kubelet requires its cgroup root to exist
+            d.mkdir(exist_ok=True)
         self._spawn(
             "kubelet",
             [
