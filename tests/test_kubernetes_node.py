@@ -82,7 +82,7 @@ def runner_pods(core: Any, namespace: str, sandbox_id: str) -> list[Any]:
     return list(pods)
 
 
-def running_pod(core: Any, namespace: str, sandbox_id: str) -> Any:
+def running_runner_pod(core: Any, namespace: str, sandbox_id: str) -> Any:
     pods = [
         p
         for p in runner_pods(core, namespace, sandbox_id)
@@ -131,7 +131,7 @@ async def test_a_runner_pod_runs_with_upstreams_environment_keeps_its_workspace_
         "session", session, SandboxEnvironment(task_queue=f"session:{session}", stigmer_token=TOKEN)
     )
     assert state == "running"
-    pod = await wait_for("the runner pod to run", lambda: running_pod(core, ns, session))
+    pod = await wait_for("the runner pod to run", lambda: running_runner_pod(core, ns, session))
     time_to_running = time.monotonic() - started
     LOG.info("ensure -> runner pod Running in %.2fs", time_to_running)
 
@@ -167,7 +167,7 @@ async def test_a_runner_pod_runs_with_upstreams_environment_keeps_its_workspace_
     await node_driver.ensure(
         "session", session, SandboxEnvironment(task_queue=f"session:{session}", stigmer_token=TOKEN)
     )
-    again = await wait_for("the runner pod to run again", lambda: running_pod(core, ns, session))
+    again = await wait_for("the runner pod to run again", lambda: running_runner_pod(core, ns, session))
     assert again.metadata.name != pod.metadata.name
     assert pod_exec(core, ns, again.metadata.name, ["/bin/cat", "/workspace/marker"]).strip() == "kept"
 
@@ -194,7 +194,9 @@ async def test_a_workflow_runner_launched_token_less_runs_without_the_token_vari
     execution = f"wfx_node_{uuid.uuid4().hex[:8]}"
     await node_driver.ensure("workflow", execution, SandboxEnvironment(task_queue=f"wfexec:{execution}"))
     try:
-        pod = await wait_for("the runner pod to run", lambda: running_pod(core, node_namespace, execution))
+        pod = await wait_for(
+            "the runner pod to run", lambda: running_runner_pod(core, node_namespace, execution)
+        )
         env = env_inside(core, node_namespace, pod.metadata.name)
         assert env["STIGMER_TASK_QUEUE"] == f"wfexec:{execution}"
         assert "STIGMER_TOKEN" not in env

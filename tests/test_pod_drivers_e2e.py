@@ -1,4 +1,5 @@
-"""The pod end to end through real Kafka with the docker and kubernetes drivers on their real parts.
+"""The pod end to end through real Kafka with the docker and kubernetes drivers on their real parts
+(the kubernetes one on the harness's single-node cluster, so its runner pods really run).
 
 execution-created → a real container / real API objects → terminal phase → gone; and an unreachable
 engine → the lanes' failure paths with the engine's error as the reason.
@@ -15,13 +16,26 @@ from typing import Any
 import docker
 import pytest
 from harness.dockerd import Dockerd
-from harness.kube_apiserver import KubeApiServer
+from harness.kube_node import RUNNER_IMAGE, KubeNode
 
 from consumers.ops.settings import load_settings
+from consumers.tools.reaper import start_periodic_reaper
+from drivers.contract import SandboxEnvironment
+from drivers.kubernetes_driver import new_kubernetes_provisioner
 from drivers.naming import LABEL_MANAGED_BY, LABEL_SANDBOX_ID, sandbox_base_name
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
 from tests.pod_harness import produce, read_topic, running_pod, unique_env, wf_terminal
+from tests.test_kubernetes_node import (
+    LOG,
+    SMALL_RUNNER,
+    env_inside,
+    gone,
+    node_driver_config,
+    runner_pods,
+    running_runner_pod,
+    wait_for,
+)
 
 TOKEN_KEY = base64.b64encode(secrets.token_bytes(32)).decode()
 
@@ -193,54 +207,70 @@ async def test_an_unreachable_docker_engine_is_each_lanes_failure_path(
 
 @pytest.mark.kafka
 @pytest.mark.kubernetes
-async def test_pod_with_the_kubernetes_driver_creates_the_objects_and_removes_them(
-    kafka_bootstrap: str, kube_apiserver: KubeApiServer, kube_admin: Any, kube_namespace: str, tmp_path: Path
+async def test_pod_with_the_kubernetes_driver_runs_a_runner_pod_removes_it_and_reaps_an_orphan(
+    kafka_bootstrap: str, kube_node: KubeNode, node_admin: Any, node_namespace: str, tmp_path: Path
 ) -> None:
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
+    """On the real node: ExecutionCreated -> a Running runner pod with a real token; COMPLETED -> no pod.
 
+    The pod's periodic reaper also removes a runner no execution state knows of.
+    """
+    from kubernetes import client
+
+    ns = node_namespace
     execution_id = f"wfx_k8s_{uuid.uuid4().hex[:8]}"
+    orphan = f"wfx_k8s_orphan_{uuid.uuid4().hex[:8]}"
+    options = ",".join(f"{k}={v}" for k, v in {"kubeconfig": str(kube_node.kubeconfig_path), **SMALL_RUNNER}.items())
     env = driver_env(
         kafka_bootstrap,
         tmp_path,
         "kubernetes",
-        f"kubeconfig={kube_apiserver.kubeconfig_path}",
-        STIGMER_SANDBOX_K8S_NAMESPACE=kube_namespace,
+        options,
+        STIGMER_SANDBOX_K8S_NAMESPACE=ns,
+        STIGMER_SANDBOX_RUNNER_IMAGE=RUNNER_IMAGE,
+        SANDBOX_LANES_REAP_INTERVAL_S="0.5",
+        SANDBOX_LANES_REAP_GRACE_S="1",
     )
-    topics = load_settings(env).topics
-    apps = client.AppsV1Api(kube_admin)
-    core = client.CoreV1Api(kube_admin)
+    settings = load_settings(env)
+    core, apps = client.CoreV1Api(node_admin), client.AppsV1Api(node_admin)
     base = sandbox_base_name("workflow", execution_id)
-    async with running_pod(env):
+    # A runner left behind by someone else's crash: our labels, no execution state.
+    leaker = new_kubernetes_provisioner(node_driver_config(ns, kube_node), LOG)
+    await leaker.ensure("workflow", orphan, SandboxEnvironment(task_queue=f"wfexec:{orphan}"))
+    await leaker.close()
+    await wait_for("the orphan's runner pod", lambda: running_runner_pod(core, ns, orphan))
+    async with running_pod(env) as composed:
         await produce(
             kafka_bootstrap,
             env,
             created(execution_id, common_pb2.WORKFLOW_EXECUTION, workflow_execution_target=common_pb2.CLOUD),
         )
-        (provisioned,) = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
+        (provisioned,) = await read_topic(kafka_bootstrap, settings.topics.outcomes, at_least=1)
         assert isinstance(provisioned.message, outcomes_pb2.SandboxProvisioned), provisioned.message
-        assert (
-            provisioned.message.sandbox.driver == "kubernetes"
-            and provisioned.message.probe_state == "running"
+        assert (provisioned.message.sandbox.driver, provisioned.message.sandbox.name) == ("kubernetes", base)
+        pod = await wait_for("the runner pod to run", lambda: running_runner_pod(core, ns, execution_id))
+        inside = env_inside(core, ns, pod.metadata.name)
+        assert execution_id in inside["STIGMER_TASK_QUEUE"]
+        token = inside["STIGMER_TOKEN"]
+        assert token.count(".") == 2  # a real JWT minted by the pod reached the runner ...
+        assert token.encode() not in (provisioned.value or b"")  # ... and never the outcome event
+
+        assert start_periodic_reaper(settings, composed) is not None
+        await wait_for("the reaper to remove the orphan", lambda: not runner_pods(core, ns, orphan), timeout=90)
+        await wait_for(
+            "the orphan's Deployment to go",
+            lambda: gone(lambda: apps.read_namespaced_deployment(sandbox_base_name("workflow", orphan), ns)),
         )
-        deployment = apps.read_namespaced_deployment(base, kube_namespace)
-        assert deployment.spec.strategy.type == "Recreate" and deployment.spec.replicas == 1
-        secret = core.read_namespaced_secret(f"{base}-env", kube_namespace)
-        assert "STIGMER_TOKEN" in (secret.data or {})
-        core.read_namespaced_persistent_volume_claim(f"{base}-workspace", kube_namespace)
+        assert running_runner_pod(core, ns, execution_id) is not None  # a live execution's runner stays
 
         await produce(kafka_bootstrap, env, wf_terminal(execution_id))
-        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
-        assert isinstance(outcomes[-1].message, outcomes_pb2.SandboxDeprovisioned)
-    for read in (
-        lambda: apps.read_namespaced_deployment(base, kube_namespace),
-        lambda: core.read_namespaced_secret(f"{base}-env", kube_namespace),
+        outcomes = await read_topic(kafka_bootstrap, settings.topics.outcomes, at_least=3)
+        kinds = [type(o.message).__name__ for o in outcomes]
+        assert kinds == ["SandboxProvisioned", "SandboxReaped", "SandboxDeprovisioned"], kinds
+        assert outcomes[1].message.sandbox.sandbox_id == orphan
+        await wait_for("the runner pod to terminate", lambda: not runner_pods(core, ns, execution_id), timeout=90)
+    for what, read in (
+        ("Deployment", lambda: apps.read_namespaced_deployment(base, ns)),
+        ("Secret", lambda: core.read_namespaced_secret(f"{base}-env", ns)),
+        ("PVC", lambda: core.read_namespaced_persistent_volume_claim(f"{base}-workspace", ns)),
     ):
-        with pytest.raises(ApiException) as gone:
-            read()
-        assert gone.value.status == 404
-    try:  # no controller-manager runs here, so a deleted claim may linger with its protection finalizer
-        pvc = core.read_namespaced_persistent_volume_claim(f"{base}-workspace", kube_namespace)
-        assert pvc.metadata.deletion_timestamp is not None
-    except ApiException as exc:
-        assert exc.status == 404
+        await wait_for(f"the {what} to be deleted", lambda read=read: gone(read))

@@ -111,7 +111,9 @@ class KubeNode(KubeApiServer):
         for command in ("kube-controller-manager", "kube-scheduler", "kubelet"):
             path = binary_path(command=command)
             if not (path.is_file() and os.access(path, os.X_OK)):
-                raise RuntimeError(f"{command} missing at {path} (run: python -m harness.kube_apiserver build)")
+                raise RuntimeError(
+                    f"{command} missing at {path} (run: python -m harness.kube_apiserver build)"
+                )
         for tool in ("containerd", "runc", "ctr"):
             if shutil.which(tool) is None:
                 raise RuntimeError(f"{tool} not found (install Debian's containerd and runc)")
@@ -122,16 +124,22 @@ class KubeNode(KubeApiServer):
             self._hostpath_before = set(os.listdir(HOSTPATH_PV_ROOT)) if HOSTPATH_PV_ROOT.is_dir() else set()
             self._start_controllers()
             self._start_containerd()
-            self.import_image(docker_archive(
-                build_rootfs_tar(DEFAULT_BUSYBOX), PAUSE_IMAGE, entrypoint=["/bin/sh", "-c", _PAUSE_SCRIPT]
-            ))
-            self.import_image(docker_archive(
-                build_rootfs_tar(DEFAULT_BUSYBOX),
-                RUNNER_IMAGE,
-                entrypoint=["/runner/bin/start"],
-                cmd=["/runner/dist/main.js"],
-                workdir="/workspace",
-            ))
+            self.import_image(
+                docker_archive(
+                    build_rootfs_tar(DEFAULT_BUSYBOX),
+                    PAUSE_IMAGE,
+                    entrypoint=["/bin/sh", "-c", _PAUSE_SCRIPT],
+                )
+            )
+            self.import_image(
+                docker_archive(
+                    build_rootfs_tar(DEFAULT_BUSYBOX),
+                    RUNNER_IMAGE,
+                    entrypoint=["/runner/bin/start"],
+                    cmd=["/runner/dist/main.js"],
+                    workdir="/workspace",
+                )
+            )
             self._start_kubelet()
             self._wait_node_ready()
             self._apply_cluster_defaults()
@@ -241,14 +249,14 @@ class KubeNode(KubeApiServer):
         config = base / "config.toml"
         config.write_text(
             f"""version = 2
-root = "{base / 'root'}"
-state = "{base / 'state'}"
+root = "{base / "root"}"
+state = "{base / "state"}"
 disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs",
   "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.aufs"]
 [grpc]
   address = "{self.containerd_socket}"
 [ttrpc]
-  address = "{base / 'containerd.sock.ttrpc'}"
+  address = "{base / "containerd.sock.ttrpc"}"
 [debug]
   address = ""
 [metrics]
@@ -274,7 +282,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"containerd exited ({proc.returncode}):\n{_tail(self._log('containerd'))}")
+                raise RuntimeError(
+                    f"containerd exited ({proc.returncode}):\n{_tail(self._log('containerd'))}"
+                )
             if self._ctr("version").returncode == 0:
                 return
             time.sleep(0.2)
@@ -383,7 +393,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
         while time.monotonic() < deadline:
             for name in ("kubelet", "kube-controller-manager", "kube-scheduler", "containerd"):
                 if self.procs[name].poll() is not None:
-                    raise RuntimeError(f"{name} exited ({self.procs[name].returncode}):\n{_tail(self._log(name))}")
+                    raise RuntimeError(
+                        f"{name} exited ({self.procs[name].returncode}):\n{_tail(self._log(name))}"
+                    )
             try:
                 node = self.api("GET", f"/api/v1/nodes/{self.node_name}")
                 ready = [c for c in node["status"].get("conditions", []) if c["type"] == "Ready"]
@@ -393,8 +405,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
             except (urllib.error.URLError, OSError, KeyError) as exc:
                 last = str(exc)
             time.sleep(0.3)
-        raise RuntimeError(f"node {self.node_name} not Ready within {self.ready_timeout:.0f}s ({last}):\n"
-                           f"{_tail(self._log('kubelet'))}")
+        raise RuntimeError(
+            f"node {self.node_name} not Ready within {self.ready_timeout:.0f}s ({last}):\n"
+            f"{_tail(self._log('kubelet'))}"
+        )
 
     def _apply_cluster_defaults(self) -> None:
         self.api(
@@ -423,7 +437,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
                 "spec": {
                     "matchConstraints": {
                         "resourceRules": [
-                            {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}
+                            {
+                                "apiGroups": [""],
+                                "apiVersions": ["v1"],
+                                "operations": ["CREATE"],
+                                "resources": ["pods"],
+                            }
                         ]
                     },
                     "failurePolicy": "Fail",
@@ -431,7 +450,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
                     "mutations": [
                         {
                             "patchType": "ApplyConfiguration",
-                            "applyConfiguration": {"expression": "Object{spec: Object.spec{hostNetwork: true}}"},
+                            "applyConfiguration": {
+                                "expression": "Object{spec: Object.spec{hostNetwork: true}}"
+                            },
                         }
                     ],
                 },
@@ -463,7 +484,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
             if created["spec"].get("hostNetwork"):
                 return
             time.sleep(0.2)
-        raise RuntimeError(f"the {HOST_NETWORK_POLICY} MutatingAdmissionPolicy did not take effect within 30s")
+        raise RuntimeError(
+            f"the {HOST_NETWORK_POLICY} MutatingAdmissionPolicy did not take effect within 30s"
+        )
 
     # -- teardown
     def _kill_pod_containers(self) -> None:
