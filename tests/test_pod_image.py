@@ -1,8 +1,7 @@
 """The pod image: the repo's Dockerfile built for real on the harness's engine, then run against real Kafka.
 
-The base is a local stand-in for python:3.11-slim-bookworm (devtools/harness/python_base_image.py: Debian
-bookworm's Python 3.11 via debootstrap), passed as the Dockerfile's PYTHON_IMAGE build argument; the
-Dockerfile is built unchanged. The engine has no bridge, so the build's `pip install` and the running
+The image is built once per session by the ``pod_image`` fixture (tests/fixtures/dockerd.py): the
+Dockerfile unchanged, on a local stand-in for python:3.11-slim-bookworm. The engine has no bridge, so the build's `pip install` and the running
 pod use the host's network (loopback Kafka, loopback HTTP).
 """
 
@@ -17,44 +16,25 @@ from typing import Any
 import docker
 import pytest
 from harness.dockerd import Dockerd
-from harness.python_base_image import import_base_image
 
 from consumers.ops.settings import load_settings
 from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2
-from tests.pod_harness import ROOT, produce, read_topic, unique_env, wf_terminal
+from tests.fixtures.dockerd import POD_IMAGE
+from tests.pod_harness import produce, read_topic, unique_env, wf_terminal
 from tests.test_ops_http import free_port, wait_for_status
 from tests.test_pod_drivers_e2e import created
 
 pytestmark = [pytest.mark.docker, pytest.mark.kafka]
 
-IMAGE = "sandbox-lanes:image-test"
-
-
-def _build(client: Any) -> dict[str, Any]:
-    base = import_base_image(client)
-    log: list[str] = []
-    for chunk in client.api.build(
-        path=str(ROOT),
-        tag=IMAGE,
-        buildargs={"PYTHON_IMAGE": base},
-        network_mode="host",
-        rm=True,
-        forcerm=True,
-        decode=True,
-    ):
-        log.append(chunk.get("stream", "") or chunk.get("error", ""))
-        if "error" in chunk:
-            pytest.fail(f"docker build failed: {chunk['error']}\n{''.join(log)[-4000:]}", pytrace=False)
-    attrs: dict[str, Any] = client.api.inspect_image(IMAGE)
-    return attrs
+IMAGE = POD_IMAGE
 
 
 @pytest.mark.timeout(1800)  # the build copies every layer on the vfs storage driver: several minutes
 async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events_and_stops_on_sigterm(
-    dockerd: Dockerd, kafka_bootstrap: str, tmp_path: Path
+    dockerd: Dockerd, pod_image: dict[str, Any], kafka_bootstrap: str, tmp_path: Path
 ) -> None:
     client = docker.DockerClient(base_url=dockerd.socket_url, version="auto", timeout=900)
-    attrs = await asyncio.to_thread(_build, client)
+    attrs = pod_image
     config = attrs["Config"]
     assert config["User"] == "10001:10001"
     assert config["Entrypoint"] == ["sandbox-lanes"] and config["Cmd"] == ["run"]

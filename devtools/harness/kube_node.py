@@ -295,15 +295,19 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
             ["ctr", "--address", str(self.containerd_socket), "-n", CONTAINERD_NAMESPACE, *args], timeout
         )
 
-    def import_image(self, archive: bytes) -> None:
-        """``ctr images import`` of a docker-archive tarball into the CRI namespace."""
+    def import_image(self, archive: bytes | Path) -> None:
+        """``ctr images import`` of a docker-archive tarball (bytes or a file) into the CRI namespace."""
         assert self.workdir is not None
-        path = self.workdir / "import.tar"
-        path.write_bytes(archive)
+        if isinstance(archive, Path):
+            path, owned = archive, False
+        else:
+            path, owned = self.workdir / "import.tar", True
+            path.write_bytes(archive)
         try:
             result = self._ctr("images", "import", str(path), timeout=600)
         finally:
-            path.unlink(missing_ok=True)
+            if owned:
+                path.unlink(missing_ok=True)
         if result.returncode != 0:
             raise RuntimeError(f"ctr images import failed: {result.stderr.strip() or result.stdout.strip()}")
 
