@@ -8,7 +8,10 @@ execution's produce → committed-outcome time (p50/p99). Two drivers:
 * ``memory`` with an injected latency (``--burst-latency-ms``, default 200 ms per call): the
   goal is ≥ 0.8 x concurrency / latency ensures/s (the pool kept full);
 * ``docker`` on a private engine, next to the raw engine limit in the same run: the same N
-  containers created and started straight through the Docker SDK at the same concurrency.
+  containers created and started straight through the Docker SDK at the same concurrency;
+* ``kubernetes`` on a single-node cluster (``--burst-k8s-n``, default 50; ``bench.kube_burst``):
+  the kubernetes driver returns once its objects are applied, so the time to sandbox there is
+  measured to the runner pod's Running, next to a docker burst of the same N in the same run.
 
 The pod's longest transaction (``max_transaction_s``) is reported too: no driver call is inside
 one, so it stays short however long the calls take.
@@ -21,7 +24,7 @@ import concurrent.futures
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from consumers.ops.progress import progress
@@ -38,10 +41,23 @@ DOCKER_RATIO_GOAL = 1.3
 MAX_TRANSACTION_GOAL_S = 2.0
 
 
+AfterProvision = Callable[[list[str], dict[str, float]], Awaitable[None]]
+
+
 async def _pod_burst(
-    env: dict[str, str], provisioner: Any, n: int, show: bool, label: str, timeout_s: float
+    env: dict[str, str],
+    provisioner: Any,
+    n: int,
+    show: bool,
+    label: str,
+    timeout_s: float,
+    after_provision: AfterProvision | None = None,
 ) -> dict[str, Any]:
-    """One burst of N creates then N terminal changes through a running pod."""
+    """One burst of N creates then N terminal changes through a running pod.
+
+    ``after_provision(ids, sent)`` runs between the two, with each create's send time
+    (``time.perf_counter``): a driver that returns before its sandbox runs measures that there.
+    """
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     from consumers.ops.settings import load_settings
@@ -113,6 +129,8 @@ async def _pod_burst(
             up_s, up_ms = await phase(
                 outcomes_pb2.SandboxProvisioned, created_event, topics.execution_created
             )
+            if after_provision is not None:
+                await after_provision(ids, dict(sent))
             down_s, down_ms = await phase(outcomes_pb2.SandboxDeprovisioned, terminal, topics.phase_changed)
         finally:
             await producer.stop()
@@ -213,14 +231,30 @@ async def measure_burst(args: Any, bootstrap: str, show: bool) -> dict[str, Any]
         logger.error("memory burst failed", extra={"error": str(exc)})
         out["memory"] = {"error": f"{type(exc).__name__}: {exc}"}
     try:
-        out["docker"] = await _docker_burst(args, env(f"burst-dk-{uuid.uuid4().hex[:6]}"), show)
+        out["docker"] = await _docker_burst(
+            args, env(f"burst-dk-{uuid.uuid4().hex[:6]}"), show, args.burst_docker_n
+        )
     except Exception as exc:
         logger.error("docker burst failed", extra={"error": str(exc)})
         out["docker"] = {"error": f"{type(exc).__name__}: {exc}"}
+    if args.burst_k8s_n > 0:
+        from consumers.tools.bench.kube_burst import kubernetes_burst
+
+        try:
+            k8s = await kubernetes_burst(
+                args, env(f"burst-k8s-{uuid.uuid4().hex[:6]}"), show, args.burst_k8s_n, _pod_burst
+            )
+            k8s["docker_same_n"] = await _docker_burst(
+                args, env(f"burst-dk-{uuid.uuid4().hex[:6]}"), show, args.burst_k8s_n
+            )
+            out["kubernetes"] = k8s
+        except Exception as exc:
+            logger.error("kubernetes burst failed", extra={"error": str(exc)})
+            out["kubernetes"] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
 
-async def _docker_burst(args: Any, env: dict[str, str], show: bool) -> dict[str, Any]:
+async def _docker_burst(args: Any, env: dict[str, str], show: bool, n: int) -> dict[str, Any]:
     from drivers.contract import DriverConfig
     from drivers.docker_driver import new_docker_provisioner
 
@@ -241,12 +275,10 @@ async def _docker_burst(args: Any, env: dict[str, str], show: bool) -> dict[str,
         )
         provisioner = new_docker_provisioner(config, logger)
         try:
-            result = await _pod_burst(env, provisioner, args.burst_docker_n, show, "docker burst", 900)
+            result = await _pod_burst(env, provisioner, n, show, f"docker burst of {n}", 900)
         finally:
             await provisioner.close()
-        raw = await loop.run_in_executor(
-            None, _raw_docker, host, image, args.burst_docker_n, args.burst_concurrency, show
-        )
+        raw = await loop.run_in_executor(None, _raw_docker, host, image, n, args.burst_concurrency, show)
     result["raw_create_start_seconds"] = raw["create_start_seconds"]
     result["raw_remove_seconds"] = raw["remove_seconds"]
     result["ratio_to_raw"] = result["provision_seconds"] / raw["create_start_seconds"]
@@ -311,7 +343,44 @@ def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             ),
             _transaction_row(dk),
         ]
+    rows += _kubernetes_rows(fig.get("kubernetes", {}))
     return rows
+
+
+def _kubernetes_rows(k8s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    if "error" in k8s:
+        return [("   burst, kubernetes driver", "error", k8s["error"][:120], "")]
+    if not k8s:
+        return []
+    dk = k8s.get("docker_same_n", {})
+    docker = (
+        f"docker, same {dk['n']} in this run: {dk['time_to_sandbox_p50_ms']:,.0f} / "
+        f"{dk['time_to_sandbox_p99_ms']:,.0f}"
+        if dk and "error" not in dk
+        else "docker: " + str(dk.get("error", "not measured"))[:80]
+    )
+    return [
+        (
+            f"   burst of {k8s['n']:,} creates, kubernetes driver ({k8s['cluster']}): "
+            "create -> runner pod Running p50 / p99, ms",
+            f"{k8s['running_p50_ms']:,.0f} / {k8s['running_p99_ms']:,.0f}",
+            docker,
+            "",
+        ),
+        (
+            "   kubernetes: create -> SandboxProvisioned committed p50 / p99, ms; all Running, s",
+            f"{k8s['time_to_sandbox_p50_ms']:,.0f} / {k8s['time_to_sandbox_p99_ms']:,.0f}",
+            f"all {k8s['n']} Running after {k8s['all_running_seconds']:.1f} s",
+            "",
+        ),
+        (
+            "   kubernetes teardown: seconds; terminal -> SandboxDeprovisioned p50 / p99, ms",
+            f"{k8s['teardown_seconds']:.1f}",
+            f"{k8s['teardown_p50_ms']:,.0f} / {k8s['teardown_p99_ms']:,.0f}",
+            "",
+        ),
+        _transaction_row(k8s),
+    ]
 
 
 def _transaction_row(fig: dict[str, Any]) -> tuple[str, str, str, str]:

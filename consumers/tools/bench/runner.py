@@ -73,6 +73,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst-docker-n", type=int, default=200, help="creates per docker burst")
     parser.add_argument("--burst-latency-ms", type=float, default=200.0, help="memory driver ms per call")
     parser.add_argument("--burst-concurrency", type=int, default=32, help="driver concurrency in a burst")
+    parser.add_argument(
+        "--burst-k8s-n", type=int, default=50, help="creates per kubernetes burst (0: skip kubernetes)"
+    )
+    parser.add_argument(
+        "--kubeconfig", help="run the kubernetes burst on this cluster instead of a private single-node one"
+    )
+    parser.add_argument(
+        "--runner-image", default="", help="runner image for --kubeconfig (must run the runner contract)"
+    )
     parser.add_argument("--docker-host", help="use this engine (unix://...) instead of a private dockerd")
     parser.add_argument("--docker-image", default="", help="image on --docker-host (default: busybox tag)")
     parser.add_argument(
