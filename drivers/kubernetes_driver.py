@@ -57,7 +57,9 @@ else the default kubeconfig (``$KUBECONFIG`` / ``~/.kube/config``).
 Options (``config.options``): ``kubeconfig``, ``kubeconfig_context``,
 ``storage_size`` (default ``10Gi``), ``storage_class`` (default: the cluster's),
 ``cpu_request`` / ``memory_request`` / ``cpu_limit`` / ``memory_limit`` (defaults
-``500m`` / ``512Mi`` / ``2`` / ``2Gi``), ``request_timeout`` seconds (default 30).
+``500m`` / ``512Mi`` / ``2`` / ``2Gi``), ``request_timeout`` seconds (default 30),
+``max_pool_size`` (default 32: connections kept to the API server; below the pod's driver
+concurrency, a burst opens and throws away connections).
 """
 
 from __future__ import annotations
@@ -396,7 +398,25 @@ def load_client_configuration(options: Mapping[str, str]) -> Any:
         ) from None
 
 
+DEFAULT_MAX_POOL_SIZE: Final = 32
+
+
+def _max_pool_size(options: Mapping[str, str]) -> int:
+    raw = options.get("max_pool_size") or str(DEFAULT_MAX_POOL_SIZE)
+    try:
+        size = int(raw)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise ValueError(
+            f"sandbox provisioner '{DRIVER_NAME}': max_pool_size must be a whole number >= 1, got {raw!r}"
+        )
+    return size
+
+
 def new_kubernetes_provisioner(config: DriverConfig, logger: logging.Logger) -> KubernetesProvisioner:
     _boot_checks(config)
+    pool = _max_pool_size(config.options)
     cfg = load_client_configuration(config.options)
+    cfg.connection_pool_maxsize = pool
     return KubernetesProvisioner(config, logger, k8s.ApiClient(cfg))

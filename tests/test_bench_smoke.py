@@ -87,19 +87,21 @@ def test_bench_tiny_run_writes_every_figure(
         _positive(drv, "samples", "ensure_p50_ms", "ensure_p99_ms", "re_ensure_p50_ms", "re_ensure_p99_ms")
 
 
-def test_bench_tiny_burst_measures_time_to_sandbox_for_both_drivers(
+@pytest.mark.kubernetes
+@pytest.mark.timeout(480)  # three bursts, a private node's start and stop
+def test_bench_tiny_burst_measures_time_to_sandbox_for_every_driver(
     kafka_bootstrap: str, dockerd: Dockerd, docker_image: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "burst.json"
     cmd = [
         sys.executable, "-m", "consumers.tools.cli", "bench", "--only", "burst",
         "--bootstrap", kafka_bootstrap, "--out", str(out), "--no-progress", "--repeats", "1",
-        "--burst-n", "40", "--burst-docker-n", "3", "--burst-latency-ms", "50",
+        "--burst-n", "40", "--burst-docker-n", "3", "--burst-latency-ms", "50", "--burst-k8s-n", "3",
         "--docker-host", dockerd.socket_url, "--docker-image", docker_image,
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=280, check=False,
+        capture_output=True, text=True, timeout=420, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "7. burst of 40 creates" in proc.stdout, proc.stdout[-3000:]
@@ -110,3 +112,9 @@ def test_bench_tiny_burst_measures_time_to_sandbox_for_both_drivers(
         _positive(fig, "provision_seconds", "ensures_per_s", "time_to_sandbox_p99_ms", "teardown_seconds")
         assert fig["max_transaction_s"] > 0
     _positive(burst["docker"], "raw_create_start_seconds", "ratio_to_raw")
+    # kubernetes on the bench's own single-node cluster: create -> runner pod Running, next to docker
+    k8s = burst["kubernetes"]
+    assert "error" not in k8s and "error" not in k8s["docker_same_n"], k8s
+    assert k8s["n"] == 3 and k8s["docker_same_n"]["n"] == 3 and k8s["cluster"] == "single-node cluster"
+    _positive(k8s, "running_p50_ms", "running_p99_ms", "all_running_seconds", "time_to_sandbox_p99_ms")
+    assert "kubernetes driver (single-node cluster): create -> runner pod Running" in proc.stdout

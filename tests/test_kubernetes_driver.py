@@ -602,6 +602,28 @@ def test_boot_checks_mirror_docker_with_pod_wording(kube_apiserver: KubeApiServe
     )
     with pytest.raises(ValueError, match="no usable Kubernetes client config"):
         new_kubernetes_provisioner(_config("ns", kubeconfig, options={"kubeconfig": "/nonexistent"}), LOG)
+    for bad in ("0", "many"):
+        with pytest.raises(ValueError) as err:
+            new_kubernetes_provisioner(
+                _config("ns", kubeconfig, options={"kubeconfig": str(kubeconfig), "max_pool_size": bad}), LOG
+            )
+        assert str(err.value) == (
+            f"sandbox provisioner 'kubernetes': max_pool_size must be a whole number >= 1, got {bad!r}"
+        )
+
+
+@pytest.mark.parametrize(("option", "expected"), [(None, 32), ("48", 48)])
+async def test_the_connection_pool_holds_max_pool_size_connections(
+    kube_apiserver: KubeApiServer, option: str | None, expected: int
+) -> None:
+    options = {"kubeconfig": str(kube_apiserver.kubeconfig_path)}
+    if option is not None:
+        options["max_pool_size"] = option
+    p = new_kubernetes_provisioner(_config("ns", kube_apiserver.kubeconfig_path, options=options), LOG)
+    try:  # what urllib3 keeps: a burst at the pod's driver concurrency reuses its connections
+        assert p._api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] == expected
+    finally:
+        await p.close()
 
 
 async def test_operator_lists_cannot_override_driver_owned_names(
