@@ -114,14 +114,23 @@ FIELD_MANAGER: Final = "sandbox-lanes"
 APPLY_CONTENT_TYPE: Final = "application/apply-patch+yaml"
 MERGE_PATCH_CONTENT_TYPE: Final = "application/merge-patch+json"
 
-BACKEND_ENDPOINT_REQUIRED: Final = (
-    "sandbox provisioner 'kubernetes' requires STIGMER_SANDBOX_BACKEND_ENDPOINT"
-    " — a pod cannot reach the server on this process's localhost"
-)
-TEMPORAL_ADDRESS_REQUIRED: Final = (
-    "sandbox provisioner 'kubernetes' requires STIGMER_SANDBOX_TEMPORAL_ADDRESS (or TEMPORAL_HOST_PORT)"
-    " reachable from inside the cluster"
-)
+
+def backend_endpoint_required(driver: str) -> str:
+    return (
+        f"sandbox provisioner '{driver}' requires STIGMER_SANDBOX_BACKEND_ENDPOINT"
+        " — a pod cannot reach the server on this process's localhost"
+    )
+
+
+def temporal_address_required(driver: str) -> str:
+    return (
+        f"sandbox provisioner '{driver}' requires STIGMER_SANDBOX_TEMPORAL_ADDRESS (or TEMPORAL_HOST_PORT)"
+        " reachable from inside the cluster"
+    )
+
+
+BACKEND_ENDPOINT_REQUIRED: Final = backend_endpoint_required(DRIVER_NAME)
+TEMPORAL_ADDRESS_REQUIRED: Final = temporal_address_required(DRIVER_NAME)
 
 _T = TypeVar("_T")
 
@@ -198,14 +207,17 @@ class KubernetesProvisioner(ScopedMethods):
         try:
             return await asyncio.to_thread(fn, *args, **kwargs)
         except ApiException as exc:
-            status = _status(exc)
-            if status in tolerate:
+            if _status(exc) in tolerate:
                 return None
-            message = self._redact(api_error_message(exc), env)
-            raise SandboxError(f"kubernetes {action} failed (HTTP {status}): {message}") from None
+            raise self.failure(action, exc, env) from None
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             message = self._redact(f"{type(exc).__name__}: {exc}", env)
-            raise SandboxError(f"kubernetes {action} failed: {message}") from None
+            raise SandboxError(f"{self.driver_name} {action} failed: {message}") from None
+
+    def failure(self, action: str, exc: ApiException, env: SandboxEnvironment | None = None) -> SandboxError:
+        """The API server's refusal as a SandboxError: its own message, secrets scrubbed."""
+        message = self._redact(api_error_message(exc), env)
+        return SandboxError(f"{self.driver_name} {action} failed (HTTP {_status(exc)}): {message}")
 
     # -- gateway
     async def deployment_replicas(self, name: str) -> int | None:
@@ -368,11 +380,12 @@ class KubernetesProvisioner(ScopedMethods):
 # --------------------------------------------------------------------------- factory
 
 
-def _boot_checks(config: DriverConfig) -> None:
+def boot_checks(config: DriverConfig, driver: str = DRIVER_NAME) -> None:
+    """Both in-cluster addresses are required: a pod cannot reach this process's localhost."""
     if not config.backend_endpoint:
-        raise ValueError(BACKEND_ENDPOINT_REQUIRED)
+        raise ValueError(backend_endpoint_required(driver))
     if not config.temporal_address:
-        raise ValueError(TEMPORAL_ADDRESS_REQUIRED)
+        raise ValueError(temporal_address_required(driver))
 
 
 def load_client_configuration(options: Mapping[str, str]) -> Any:
@@ -401,7 +414,7 @@ def load_client_configuration(options: Mapping[str, str]) -> Any:
 DEFAULT_MAX_POOL_SIZE: Final = 32
 
 
-def _max_pool_size(options: Mapping[str, str]) -> int:
+def max_pool_size(options: Mapping[str, str]) -> int:
     raw = options.get("max_pool_size") or str(DEFAULT_MAX_POOL_SIZE)
     try:
         size = int(raw)
@@ -415,8 +428,8 @@ def _max_pool_size(options: Mapping[str, str]) -> int:
 
 
 def new_kubernetes_provisioner(config: DriverConfig, logger: logging.Logger) -> KubernetesProvisioner:
-    _boot_checks(config)
-    pool = _max_pool_size(config.options)
+    boot_checks(config)
+    pool = max_pool_size(config.options)
     cfg = load_client_configuration(config.options)
     cfg.connection_pool_maxsize = pool
     return KubernetesProvisioner(config, logger, k8s.ApiClient(cfg))

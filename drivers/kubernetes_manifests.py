@@ -109,17 +109,24 @@ def pvc_manifest(config: DriverConfig, scope: SandboxScope, sandbox_id: str) -> 
     }
 
 
-def _container_env(config: DriverConfig, base: str, env: SandboxEnvironment) -> list[dict[str, Any]]:
-    """Plain values by value (driver-owned first, then the operator's); secrets by secretKeyRef."""
+def container_env(
+    config: DriverConfig, base: str, env: SandboxEnvironment, *, optional_refs: bool = False
+) -> list[dict[str, Any]]:
+    """Plain values by value (driver-owned first, then the operator's); secrets by secretKeyRef.
+
+    ``optional_refs`` (the agent-sandbox tier) lets the pod start when a key was dropped from the Secret.
+    """
     contract = runner_env(config, env)
     owned = [k for k in _PLAIN_ORDER if k in contract.plain]
     operator = [k for k in contract.plain if k not in _PLAIN_ORDER]
     out: list[dict[str, Any]] = [{"name": k, "value": contract.plain[k]} for k in (*owned, *operator)]
     secret_keys = [TOKEN_ENV] if TOKEN_ENV in contract.secret else []
     secret_keys += [k for k in contract.secret if k != TOKEN_ENV]
-    out.extend(
-        {"name": k, "valueFrom": {"secretKeyRef": {"name": secret_name(base), "key": k}}} for k in secret_keys
-    )
+    for k in secret_keys:
+        ref: dict[str, Any] = {"name": secret_name(base), "key": k}
+        if optional_refs:
+            ref["optional"] = True
+        out.append({"name": k, "valueFrom": {"secretKeyRef": ref}})
     return out
 
 
@@ -139,7 +146,7 @@ def deployment_manifest(
         "image": config.runner_image,
         "command": list(RUNNER_COMMAND),
         "workingDir": WORKSPACE_DIR,
-        "env": _container_env(config, base, env),
+        "env": container_env(config, base, env),
         "resources": {
             "requests": {"cpu": opts["cpu_request"], "memory": opts["memory_request"]},
             "limits": {"cpu": opts["cpu_limit"], "memory": opts["memory_limit"]},

@@ -22,6 +22,8 @@ BUILT_IN_SANDBOX_PROVISIONER_TYPES: Mapping[str, str] = {
     "local-process": "drivers.local_process:new_local_process_provisioner",
     "docker": "drivers.docker_driver:new_docker_provisioner",
     "kubernetes": "drivers.kubernetes_driver:new_kubernetes_provisioner",
+    # Upstream's Era D replaced kubernetes with agent-sandbox; both are kept here (README: Deviations).
+    "agent-sandbox": "drivers.agent_sandbox_driver:new_agent_sandbox_provisioner",
 }
 
 

@@ -100,6 +100,6 @@ def test_the_product_wheel_ships_without_the_harness_and_runs_without_test_extra
     )
     assert memory.returncode != 0
     assert (
-        "unknown sandbox provisioner type 'memory' — known types: 'docker', 'kubernetes', 'local-process'"
-        in (memory.stdout + memory.stderr)
+        "unknown sandbox provisioner type 'memory' — known types: "
+        "'agent-sandbox', 'docker', 'kubernetes', 'local-process'" in (memory.stdout + memory.stderr)
     )

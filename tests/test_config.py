@@ -301,7 +301,7 @@ def test_an_unknown_provisioner_type_is_upstreams_exact_boot_error() -> None:
         load_settings({"SANDBOX_PROVISIONER_TYPE": "daytona"})
     listed = ", ".join(f"'{n}'" for n in sorted(known_types()))
     assert str(err.value) == f"unknown sandbox provisioner type 'daytona' — known types: {listed}"
-    assert {"docker", "kubernetes", "local-process"} <= set(known_types())
+    assert {"agent-sandbox", "docker", "kubernetes", "local-process"} <= set(known_types())
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,7 @@ def test_an_unknown_type_against_the_real_built_ins_lists_them_sorted_with_exten
         new_sandbox_provisioner("daytona", CONFIG, LOGGER, extensions={"fly-machines": marker.factory()})
     assert str(err.value) == (
         "unknown sandbox provisioner type 'daytona' — known types: "
-        "'docker', 'fly-machines', 'kubernetes', 'local-process'"
+        "'agent-sandbox', 'docker', 'fly-machines', 'kubernetes', 'local-process'"
     )
     assert marker.constructed == 0
 

@@ -157,6 +157,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("STIGMER_SANDBOX_K8S_NAMESPACE", "stigmer-sandboxes", "the one shared sandbox namespace"),
     Setting("STIGMER_SANDBOX_MCP_PUBLIC_ENDPOINT", "", "public MCP address given to runners"),
     Setting(
+        "STIGMER_SANDBOX_AGENT_SANDBOX_SUSPEND_AFTER_SECONDS",
+        "330",
+        "agent-sandbox: suspend a Running session Sandbox idle this long (whole seconds)",
+    ),
+    Setting(
+        "STIGMER_SANDBOX_AGENT_SANDBOX_SWEEP_INTERVAL_SECONDS",
+        "30",
+        "agent-sandbox: idle sweep period (whole seconds, at most the window)",
+    ),
+    Setting(
         "STIGMER_SANDBOX_RUNNER_ENV", "", "comma-separated env names passed to runners as plain settings"
     ),
     Setting(
@@ -248,6 +258,13 @@ def _name_list(env: Mapping[str, str], name: str) -> list[str]:
     return [n.strip() for n in _get(env, name).split(",") if n.strip()]
 
 
+#: Upstream's named driver settings, handed to the driver as options (it validates them at boot).
+_NAMED_DRIVER_OPTIONS: dict[str, str] = {
+    "STIGMER_SANDBOX_AGENT_SANDBOX_SUSPEND_AFTER_SECONDS": "suspend_after_seconds",
+    "STIGMER_SANDBOX_AGENT_SANDBOX_SWEEP_INTERVAL_SECONDS": "sweep_interval_seconds",
+}
+
+
 def _options(env: Mapping[str, str]) -> dict[str, str]:
     options: dict[str, str] = {}
     for item in _name_list(env, "SANDBOX_LANES_DRIVER_OPTIONS"):
@@ -255,6 +272,9 @@ def _options(env: Mapping[str, str]) -> dict[str, str]:
         if not sep or not key:
             raise ConfigError(f"SANDBOX_LANES_DRIVER_OPTIONS item {item!r} is not key=value")
         options[key.strip()] = value.strip()
+    for env_name, option in _NAMED_DRIVER_OPTIONS.items():
+        if env.get(env_name, "").strip():
+            options[option] = env[env_name]
     return options
 
 

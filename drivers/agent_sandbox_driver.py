@@ -1,0 +1,436 @@
+"""The ``agent-sandbox`` driver (upstream ``sandbox/agent-sandbox/*``, Era D).
+
+Each sandbox is one ``Sandbox`` custom resource of kubernetes-sigs/agent-sandbox
+(``agents.x-k8s.io/v1beta1``) in the shared namespace, plus its Secret ``<base>-env`` owned by
+the Sandbox (``drivers.agent_sandbox_manifests``). The controller makes the pod (and, for a
+session, the ``workspace-<base>`` claim from the volumeClaimTemplate).
+
+ensure, serialized per name (one lock per Sandbox name in this process):
+
+* **absent**: create it Suspended, write the Secret (owner = the new Sandbox), then wake it: one
+  JSON Patch setting ``operatingMode: Running`` together with this server's pod template;
+* **Suspended**: write the Secret with a fresh token, then the same wake patch;
+* **Running**: rewrite only the Secret; nothing restarts (the pod keeps the token it booted with);
+* **being deleted**: poll every 2 s, up to 150 times, then create; still there after that fails;
+* a create answered 409 (another server's ensure won the race) re-reads and takes that arm;
+* each ensure logs ``agent-sandbox sandbox ensured`` with ``arm`` = created, suspended or running.
+
+deprovision deletes the Sandbox in the foreground (404 = success); the garbage collector takes the
+Secret, the pod and the claim with it. probe: absent (missing or being deleted), running
+(operatingMode Running or unset), else stopped.
+
+The idle sweep (``start_background``) suspends Running session Sandboxes idle for the window
+(``drivers.agent_sandbox_idle``), every interval. It never deletes. The session's activity comes
+from the pod's own state (``SessionActivityReader``); a session this pod does not own is left to
+the pod that does.
+
+Differences from upstream, on purpose: the Secret is written with server-side apply (one idempotent
+round trip; upstream POSTs then PUTs on 409), as the kubernetes tier does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Protocol
+
+from kubernetes import client as k8s
+from kubernetes.client.exceptions import ApiException
+
+from drivers.agent_sandbox_idle import (
+    IdleConfig,
+    SandboxView,
+    SessionActivity,
+    idle_config,
+    should_suspend,
+)
+from drivers.agent_sandbox_manifests import (
+    GROUP,
+    PLURAL,
+    RUNNING,
+    SUSPEND_PATCH,
+    VERSION,
+    owned_secret_manifest,
+    sandbox_manifest,
+    wake_patch,
+)
+from drivers.contract import (
+    SCOPES,
+    DriverConfig,
+    ManagedSandbox,
+    SandboxEnvironment,
+    SandboxError,
+    SandboxProbeState,
+    SandboxScope,
+    ScopedMethods,
+)
+from drivers.kubernetes_driver import (
+    APPLY_CONTENT_TYPE,
+    FIELD_MANAGER,
+    KubernetesProvisioner,
+    boot_checks,
+    load_client_configuration,
+    max_pool_size,
+)
+from drivers.kubernetes_manifests import MANAGED_SELECTOR, secret_name
+from drivers.naming import LABEL_SANDBOX_ID, LABEL_SCOPE, sandbox_base_name
+
+DRIVER_NAME: Final = "agent-sandbox"
+JSON_PATCH_CONTENT_TYPE: Final = "application/json-patch+json"
+SESSION_SELECTOR: Final = f"{MANAGED_SELECTOR},{LABEL_SCOPE}=session"
+DELETE_POLL_SECONDS: Final = 2.0
+DELETE_POLLS: Final = 150
+NOT_INSTALLED: Final = (
+    "the agent-sandbox API (agents.x-k8s.io/v1beta1 Sandbox) is not served by this cluster:"
+    " install kubernetes-sigs/agent-sandbox (its CRDs and controller)"
+)
+LOG_ENSURED: Final = "agent-sandbox sandbox ensured"
+LOG_SUSPENDED_IDLE: Final = "agent-sandbox sandbox suspended (idle)"
+LOG_SWEEP_SKIPPED: Final = "agent-sandbox idle sweep skipped a sandbox"
+LOG_SWEEP_FAILED: Final = "agent-sandbox idle sweep pass failed"
+
+
+class SessionActivityReader(Protocol):
+    """The session's activity as this pod knows it; ``None``: not this pod's session to judge."""
+
+    def activity(self, session_id: str) -> SessionActivity | None: ...
+
+
+def _view(obj: Mapping[str, Any]) -> SandboxView:
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    created = meta.get("creationTimestamp")
+    created_at: float | None = None
+    if isinstance(created, str) and created:
+        from datetime import datetime
+
+        with contextlib.suppress(ValueError):
+            created_at = datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+    return SandboxView(
+        name=str(meta.get("name", "")),
+        running=(spec.get("operatingMode") or RUNNING) == RUNNING,  # unset means Running
+        deleting=bool(meta.get("deletionTimestamp")),
+        created_at=created_at,
+    )
+
+
+class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
+    """Sandbox-resource-per-sandbox driver (the kubernetes tier's client plumbing, error mapping)."""
+
+    delete_poll_seconds: float = DELETE_POLL_SECONDS
+    delete_polls: int = DELETE_POLLS
+
+    def __init__(
+        self,
+        config: DriverConfig,
+        logger: logging.Logger,
+        api_client: Any,
+        idle: IdleConfig,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(config, logger, api_client)
+        self._custom = k8s.CustomObjectsApi(api_client)
+        self.idle = idle
+        self._clock = clock
+        self._locks: dict[str, asyncio.Lock] = {}
+        #: When this process last ensured each Sandbox: the idle clock's floor (upstream's record).
+        self.last_ensured: dict[str, float] = {}
+
+    @property
+    def driver_name(self) -> str:
+        return DRIVER_NAME
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    # -- gateway
+    async def read_sandbox(self, name: str) -> dict[str, Any] | None:
+        obj = await self._call(
+            f"read Sandbox {self._ns}/{name}",
+            self._custom.get_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            self._ns,
+            PLURAL,
+            name,
+            tolerate=frozenset({404}),
+        )
+        return obj if isinstance(obj, dict) else None
+
+    async def _create(self, manifest: dict[str, Any], env: SandboxEnvironment) -> dict[str, Any] | None:
+        """The created Sandbox, or ``None`` when one with the name exists (409)."""
+        name = manifest["metadata"]["name"]
+        try:
+            created = await asyncio.to_thread(
+                self._custom.create_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                self._ns,
+                PLURAL,
+                manifest,
+                field_manager=FIELD_MANAGER,
+                _request_timeout=self._timeout,
+            )
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            if exc.status == 404:
+                raise SandboxError(
+                    f"{DRIVER_NAME} create Sandbox {self._ns}/{name} failed: {NOT_INSTALLED}"
+                ) from None
+            raise self.failure(f"create Sandbox {self._ns}/{name}", exc, env) from None
+        return created if isinstance(created, dict) else None
+
+    async def _patch(self, name: str, patch: list[dict[str, Any]], env: SandboxEnvironment | None) -> bool:
+        """JSON Patch ``add`` ops; False when the Sandbox vanished (404)."""
+        done = await self._call(
+            f"patch Sandbox {self._ns}/{name}",
+            self._custom.patch_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            self._ns,
+            PLURAL,
+            name,
+            patch,
+            env=env,
+            field_manager=FIELD_MANAGER,
+            _content_type=JSON_PATCH_CONTENT_TYPE,
+            tolerate=frozenset({404}),
+        )
+        return done is not None
+
+    async def _write_secret(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment, owner_uid: str
+    ) -> None:
+        manifest = owned_secret_manifest(self._config, scope, sandbox_id, env, owner_uid)
+        name = manifest["metadata"]["name"]
+        await self._call(
+            f"apply Secret {self._ns}/{name}",
+            self._core.patch_namespaced_secret,
+            name,
+            self._ns,
+            manifest,
+            env=env,
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type=APPLY_CONTENT_TYPE,
+        )
+
+    # -- contract
+    async def ensure(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> SandboxProbeState:
+        base = sandbox_base_name(scope, sandbox_id)
+        async with self._lock(base):
+            obj = await self._wait_out_deletion(base)
+            arm = "created"
+            if obj is None:
+                obj = await self._create(sandbox_manifest(self._config, scope, sandbox_id, env), env)
+                if obj is None:  # another server's ensure created it first: take its arm
+                    obj = await self._wait_out_deletion(base)
+                    if obj is None:
+                        where = f"{self._ns}/{base}"
+                        raise SandboxError(
+                            f"{DRIVER_NAME} Sandbox {where} was reported to exist but cannot be read"
+                        )
+                    arm = "running" if _view(obj).running else "suspended"
+            else:
+                arm = "running" if _view(obj).running else "suspended"
+            uid = str((obj.get("metadata") or {}).get("uid", ""))
+            await self._write_secret(scope, sandbox_id, env, uid)
+            if arm != "running" and not await self._patch(
+                base, wake_patch(self._config, scope, sandbox_id, env), env
+            ):
+                raise SandboxError(f"agent-sandbox Sandbox {self._ns}/{base} vanished while waking it")
+            self.last_ensured[base] = self._clock()
+        self._logger.info(
+            LOG_ENSURED,
+            extra={
+                "scope": scope,
+                "id": sandbox_id,
+                "sandbox": base,
+                "arm": arm,
+                "taskQueue": env.task_queue,
+            },
+        )
+        return "running"
+
+    async def _wait_out_deletion(self, name: str) -> dict[str, Any] | None:
+        obj = await self.read_sandbox(name)
+        polls = 0
+        while obj is not None and _view(obj).deleting:
+            if polls >= self.delete_polls:
+                waited = self.delete_polls * self.delete_poll_seconds
+                raise SandboxError(
+                    f"agent-sandbox Sandbox {self._ns}/{name} is still being deleted after {waited:.0f}s"
+                )
+            await asyncio.sleep(self.delete_poll_seconds)
+            polls += 1
+            obj = await self.read_sandbox(name)
+        return obj
+
+    async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
+        base = sandbox_base_name(scope, sandbox_id)
+        await self._call(
+            f"delete Sandbox {self._ns}/{base}",
+            self._custom.delete_namespaced_custom_object,
+            GROUP,
+            VERSION,
+            self._ns,
+            PLURAL,
+            base,
+            propagation_policy="Foreground",
+            tolerate=frozenset({404}),
+        )
+        self.last_ensured.pop(base, None)
+        self._logger.info(
+            "agent-sandbox sandbox deprovisioned", extra={"scope": scope, "id": sandbox_id, "sandbox": base}
+        )
+
+    async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:
+        obj = await self.read_sandbox(sandbox_base_name(scope, sandbox_id))
+        if obj is None or _view(obj).deleting:
+            return "absent"
+        return "running" if _view(obj).running else "stopped"
+
+    async def _list(self, selector: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            page = await self._call(
+                f"list Sandboxes in {self._ns}",
+                self._custom.list_namespaced_custom_object,
+                GROUP,
+                VERSION,
+                self._ns,
+                PLURAL,
+                label_selector=selector,
+                limit=self.list_page_size,
+                _continue=token,
+            )
+            assert isinstance(page, dict)
+            items.extend(page.get("items") or [])
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+
+    async def list_managed(self) -> list[ManagedSandbox]:
+        found: list[ManagedSandbox] = []
+        for obj in await self._list(MANAGED_SELECTOR):
+            labels: Mapping[str, str] = (obj.get("metadata") or {}).get("labels") or {}
+            scope, sandbox_id = labels.get(LABEL_SCOPE), labels.get(LABEL_SANDBOX_ID)
+            view = _view(obj)
+            if scope not in SCOPES or not sandbox_id or view.deleting:
+                continue
+            state: SandboxProbeState = "running" if view.running else "stopped"
+            found.append(ManagedSandbox(scope, sandbox_id, view.name, state, created_at=view.created_at))
+        return sorted(found, key=lambda m: (m.scope, m.sandbox_id))
+
+    # -- the idle sweep
+    async def sweep_once(self, sessions: SessionActivityReader, stopping: asyncio.Event | None = None) -> int:
+        """One pass; returns how many Sandboxes it suspended."""
+        suspended = 0
+        for obj in await self._list(SESSION_SELECTOR):
+            if stopping is not None and stopping.is_set():
+                break
+            view = _view(obj)
+            if view.deleting or not view.running:
+                continue  # never touches a Suspended or deleting Sandbox
+            try:
+                if await self._suspend_if_idle(obj, sessions):
+                    suspended += 1
+            except Exception as exc:
+                self._logger.warning(LOG_SWEEP_SKIPPED, extra={"sandbox": view.name, "error": str(exc)})
+        return suspended
+
+    async def _suspend_if_idle(self, obj: Mapping[str, Any], sessions: SessionActivityReader) -> bool:
+        view = _view(obj)
+        session_id = ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_SANDBOX_ID)
+        if session_id and sandbox_base_name("session", session_id) != view.name:
+            self._logger.warning(
+                "agent-sandbox idle sweep: the session label does not match the name; left alone",
+                extra={"sandbox": view.name, "sessionId": session_id},
+            )
+            return False
+        if not session_id:
+            activity: SessionActivity | None = SessionActivity(busy=False, last_active_at=None, executions=0)
+        else:
+            activity = sessions.activity(session_id)
+            if activity is None:
+                return False  # another pod owns the session's partition: it judges
+        assert activity is not None
+        async with self._lock(view.name):
+            fresh = await self.read_sandbox(view.name)  # a full re-read before suspending
+            if fresh is None:
+                return False
+            now_view = _view(fresh)
+            if not should_suspend(
+                self._clock(), self.idle.suspend_after_s, now_view, activity, self.last_ensured.get(view.name)
+            ):
+                return False
+            if not await self._patch(view.name, SUSPEND_PATCH, None):
+                return False
+        if activity.executions == 0:
+            self._logger.error(
+                LOG_SUSPENDED_IDLE + " with no execution known for it",
+                extra={"sandbox": view.name, "sessionId": session_id or ""},
+            )
+        else:
+            self._logger.info(LOG_SUSPENDED_IDLE, extra={"sandbox": view.name, "sessionId": session_id})
+        return True
+
+    def start_background(self, sessions: SessionActivityReader) -> IdleSweep:
+        sweep = IdleSweep(self, sessions)
+        sweep.start()
+        return sweep
+
+
+class IdleSweep:
+    """The sweep loop: a pass at once, then every interval; passes never overlap; stop is awaited."""
+
+    def __init__(self, driver: AgentSandboxProvisioner, sessions: SessionActivityReader) -> None:
+        self._driver = driver
+        self._sessions = sessions
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.passes = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="agent-sandbox-idle-sweep")
+
+    async def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                await self._driver.sweep_once(self._sessions, self._stopping)
+            except Exception as exc:
+                self._driver._logger.error(LOG_SWEEP_FAILED, extra={"error": str(exc)})
+            self.passes += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=self._driver.idle.sweep_interval_s)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._task is not None:
+            await self._task
+
+
+def new_agent_sandbox_provisioner(config: DriverConfig, logger: logging.Logger) -> AgentSandboxProvisioner:
+    boot_checks(config, DRIVER_NAME)
+    idle = idle_config(config.options)
+    pool = max_pool_size(config.options)
+    cfg = load_client_configuration(config.options)
+    cfg.connection_pool_maxsize = pool
+    return AgentSandboxProvisioner(config, logger, k8s.ApiClient(cfg), idle)
+
+
+__all__ = [
+    "DRIVER_NAME",
+    "AgentSandboxProvisioner",
+    "IdleSweep",
+    "SessionActivityReader",
+    "new_agent_sandbox_provisioner",
+    "secret_name",
+]

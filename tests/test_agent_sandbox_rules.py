@@ -1,0 +1,230 @@
+"""The agent-sandbox tier's pure parts: upstream's config.test.ts, idle-decision.test.ts and
+manifest.test.ts (``sandbox/agent-sandbox/__tests__``), same meaning."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+
+from drivers.agent_sandbox_idle import (
+    SUSPEND_AFTER_ENV,
+    SWEEP_INTERVAL_ENV,
+    IdleConfig,
+    SandboxView,
+    SessionActivity,
+    idle_config,
+    should_suspend,
+)
+from drivers.agent_sandbox_manifests import owned_secret_manifest, sandbox_manifest, wake_patch
+from drivers.contract import DriverConfig, SandboxEnvironment
+from drivers.naming import sandbox_base_name
+
+CONFIG = DriverConfig(
+    backend_endpoint="http://stigmer-server.stigmer.svc:7234",
+    temporal_address="temporal-frontend.temporal.svc:7233",
+    runner_image="ghcr.io/stigmer/runner:test",
+    kubernetes_namespace="stigmer-sandboxes",
+    temporal_namespace="sandboxes",
+    runner_env={"RUNNER_LOG_LEVEL": "debug"},
+    runner_secret_env={"ANTHROPIC_API_KEY": "sk-ant-secret"},
+    temporal_connection_env={"STIGMER_TEMPORAL_API_KEY": "temporal-key"},
+)
+ENV = SandboxEnvironment(task_queue="session:ses_1", stigmer_token="tok.en.value")
+
+
+# --------------------------------------------------------------------------- config.test.ts
+
+
+def test_the_idle_settings_default_to_330_and_30_seconds() -> None:
+    assert idle_config({}) == IdleConfig(suspend_after_s=330, sweep_interval_s=30)
+
+
+def test_whole_seconds_are_taken_and_blank_means_default() -> None:
+    got = idle_config({"suspend_after_seconds": "600", "sweep_interval_seconds": " "})
+    assert got == IdleConfig(suspend_after_s=600, sweep_interval_s=30)
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "1.5", "soon"])
+def test_the_window_refuses_what_is_not_a_positive_whole_number(bad: str) -> None:
+    with pytest.raises(ValueError) as err:
+        idle_config({"suspend_after_seconds": bad})
+    assert str(err.value) == f"{SUSPEND_AFTER_ENV} must be a positive whole number of seconds, got {bad!r}"
+    with pytest.raises(ValueError, match=SWEEP_INTERVAL_ENV):
+        idle_config({"sweep_interval_seconds": bad})
+
+
+def test_an_interval_longer_than_the_window_is_refused() -> None:
+    with pytest.raises(ValueError, match=f"{SWEEP_INTERVAL_ENV} \\(61\\) must not exceed"):
+        idle_config({"suspend_after_seconds": "60", "sweep_interval_seconds": "61"})
+    assert idle_config({"suspend_after_seconds": "60", "sweep_interval_seconds": "60"}).sweep_interval_s == 60
+
+
+# --------------------------------------------------------------------------- idle-decision.test.ts
+
+WINDOW = 330.0
+T0 = 1_000_000.0
+RUNNING = SandboxView(name="sbx", running=True, deleting=False, created_at=T0 - 10_000)
+IDLE = SessionActivity(busy=False, last_active_at=T0)
+
+
+@pytest.mark.parametrize(
+    ("case", "now", "view", "activity", "ensured", "expected"),
+    [
+        ("suspends at exactly the window", T0 + WINDOW, RUNNING, IDLE, None, True),
+        ("and beyond it", T0 + WINDOW + 3600, RUNNING, IDLE, None, True),
+        ("not at 1 ms less", T0 + WINDOW - 0.001, RUNNING, IDLE, None, False),
+        ("not when just active", T0 + 1, RUNNING, IDLE, None, False),
+        ("not when busy", T0 + 10 * WINDOW, RUNNING, SessionActivity(True, T0), None, False),
+        (
+            "not when already Suspended",
+            T0 + 10 * WINDOW,
+            SandboxView("sbx", running=False, deleting=False, created_at=T0),
+            IDLE,
+            None,
+            False,
+        ),
+        (
+            "not when being deleted",
+            T0 + 10 * WINDOW,
+            SandboxView("sbx", running=True, deleting=True, created_at=T0),
+            IDLE,
+            None,
+            False,
+        ),
+        ("not within the window of this replica's last ensure", T0 + WINDOW, RUNNING, IDLE, T0 + 100, False),
+        (
+            "another replica's Sandbox: the clock starts at its creation",
+            T0 + WINDOW - 1,
+            SandboxView("sbx", running=True, deleting=False, created_at=T0),
+            SessionActivity(False, None, executions=0),
+            None,
+            False,
+        ),
+    ],
+)
+def test_the_idle_decision(
+    case: str,
+    now: float,
+    view: SandboxView,
+    activity: SessionActivity,
+    ensured: float | None,
+    expected: bool,
+) -> None:
+    assert should_suspend(now, WINDOW, view, activity, ensured) is expected, case
+
+
+# --------------------------------------------------------------------------- manifest.test.ts
+
+
+def _container(manifest: dict[str, Any]) -> dict[str, Any]:
+    (container,) = manifest["spec"]["podTemplate"]["spec"]["containers"]
+    return container
+
+
+def test_a_session_sandbox_is_a_suspended_labelled_v1beta1_sandbox_with_one_workspace_claim() -> None:
+    m = sandbox_manifest(CONFIG, "session", "ses_1", ENV)
+    assert (m["apiVersion"], m["kind"]) == ("agents.x-k8s.io/v1beta1", "Sandbox")
+    assert m["metadata"]["name"] == sandbox_base_name("session", "ses_1")  # pinned in test_naming_registry
+    assert m["metadata"]["namespace"] == "stigmer-sandboxes"
+    assert m["metadata"]["labels"] == {
+        "stigmer.ai/managed-by": "stigmer-server",
+        "stigmer.ai/scope": "session",
+        "stigmer.ai/sandbox-id": "ses_1",
+    }
+    assert m["spec"]["operatingMode"] == "Suspended"
+    assert "service" not in m["spec"]  # no Service
+    assert m["spec"]["volumeClaimTemplates"] == [
+        {
+            "metadata": {"name": "workspace"},
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "10Gi"}}},
+        }
+    ]
+    assert "volumes" not in m["spec"]["podTemplate"]["spec"]  # the claim template provides it
+
+
+@pytest.mark.parametrize("scope", ["connect", "workflow"])
+def test_connect_and_workflow_use_an_empty_dir(scope: Any) -> None:
+    m = sandbox_manifest(CONFIG, scope, "x_1", ENV)
+    assert "volumeClaimTemplates" not in m["spec"]
+    assert m["spec"]["podTemplate"]["spec"]["volumes"] == [{"name": "workspace", "emptyDir": {}}]
+
+
+def test_the_runner_container_is_the_kubernetes_tiers_with_capabilities_added_back() -> None:
+    m = sandbox_manifest(CONFIG, "session", "ses_1", ENV)
+    pod = m["spec"]["podTemplate"]["spec"]
+    c = _container(m)
+    assert c["command"] == ["/runner/bin/start", "/runner/dist/main.js"]
+    assert c["image"] == "ghcr.io/stigmer/runner:test" and c["workingDir"] == "/workspace"
+    assert c["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert c["resources"] == {
+        "requests": {"cpu": "500m", "memory": "512Mi"},
+        "limits": {"cpu": "2", "memory": "2Gi"},
+    }
+    assert not {"livenessProbe", "readinessProbe", "startupProbe"} & set(c)
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": ["SETUID", "SETGID", "CHOWN", "KILL", "DAC_OVERRIDE"]},
+        "runAsUser": 0,
+        "runAsGroup": 0,
+    }
+    assert pod["terminationGracePeriodSeconds"] == 600
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert c["volumeMounts"] == [{"name": "workspace", "mountPath": "/workspace"}]
+
+
+def test_the_env_contract_with_every_secret_an_optional_secret_key_ref() -> None:
+    env = {e["name"]: e for e in _container(sandbox_manifest(CONFIG, "session", "ses_1", ENV))["env"]}
+    plain = {k: v["value"] for k, v in env.items() if "value" in v}
+    assert plain == {
+        "MODE": "local",
+        "STIGMER_TASK_QUEUE": "session:ses_1",
+        "STIGMER_BACKEND_ENDPOINT": "http://stigmer-server.stigmer.svc:7234",
+        "TEMPORAL_SERVICE_ADDRESS": "temporal-frontend.temporal.svc:7233",
+        "WORKSPACE_ROOT_DIR": "/workspace",
+        "TEMPORAL_NAMESPACE": "sandboxes",
+        "HOME": "/root",
+        "RUNNER_LOG_LEVEL": "debug",
+    }  # no STIGMER_MCP_PUBLIC_ENDPOINT when unset
+    refs = {k: v["valueFrom"]["secretKeyRef"] for k, v in env.items() if "valueFrom" in v}
+    assert set(refs) == {"STIGMER_TOKEN", "ANTHROPIC_API_KEY", "STIGMER_TEMPORAL_API_KEY"}
+    for key, ref in refs.items():
+        assert ref == {"name": f"{sandbox_manifest(CONFIG, 'session', 'ses_1', ENV)['metadata']['name']}-env",
+                       "key": key, "optional": True}  # fmt: skip
+    assert "tok.en.value" not in str(sandbox_manifest(CONFIG, "session", "ses_1", ENV))
+
+
+def test_a_token_less_sandbox_has_no_token_ref_but_still_its_secret() -> None:
+    tokenless = SandboxEnvironment(task_queue="session:ses_1")
+    names = [e["name"] for e in _container(sandbox_manifest(CONFIG, "session", "ses_1", tokenless))["env"]]
+    assert "STIGMER_TOKEN" not in names
+    secret = owned_secret_manifest(CONFIG, "session", "ses_1", tokenless, "uid-1")
+    assert "STIGMER_TOKEN" not in secret["data"] and "ANTHROPIC_API_KEY" in secret["data"]
+
+
+def test_the_secret_is_owned_by_the_sandbox_and_holds_the_runner_secrets() -> None:
+    sandbox = sandbox_manifest(CONFIG, "session", "ses_1", ENV)
+    secret = owned_secret_manifest(CONFIG, "session", "ses_1", ENV, "uid-123")
+    assert secret["metadata"]["name"] == sandbox["metadata"]["name"] + "-env"
+    assert secret["metadata"]["ownerReferences"] == [
+        {"apiVersion": "agents.x-k8s.io/v1beta1", "kind": "Sandbox", "name": sandbox["metadata"]["name"],
+         "uid": "uid-123"}
+    ]  # fmt: skip
+    decoded = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert decoded == {
+        "STIGMER_TOKEN": "tok.en.value",
+        "ANTHROPIC_API_KEY": "sk-ant-secret",
+        "STIGMER_TEMPORAL_API_KEY": "temporal-key",
+    }
+
+
+def test_the_wake_is_one_json_patch_of_add_ops_with_this_servers_template() -> None:
+    patch = wake_patch(CONFIG, "session", "ses_1", ENV)
+    assert [(op["op"], op["path"]) for op in patch] == [
+        ("add", "/spec/operatingMode"),
+        ("add", "/spec/podTemplate"),
+    ]
+    assert patch[0]["value"] == "Running"
+    assert patch[1]["value"] == sandbox_manifest(CONFIG, "session", "ses_1", ENV)["spec"]["podTemplate"]
