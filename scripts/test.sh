@@ -13,6 +13,8 @@ echo "[test] fetching Apache Kafka 4.4.0 with Maven (cached)" >&2
 .venv/bin/python -m harness.kafka_broker prepare
 echo "[test] building kubernetes (apiserver, controller-manager, scheduler, kubelet) from source (cached)" >&2
 .venv/bin/python -m harness.kube_apiserver build
+echo "[test] building the agent-sandbox controller v1.0.1 from source (cached)" >&2
+.venv/bin/python -m harness.agent_sandbox build
 echo "[test] building the Debian Python base for the pod image test (cached)" >&2
 .venv/bin/python -m harness.python_base_image prepare
 echo "[test] lint and types" >&2

@@ -15,6 +15,7 @@ pytest_plugins = [
     "tests.fixtures.kafka",
     "tests.fixtures.dockerd",
     "tests.fixtures.kube",
+    "tests.fixtures.agent_sandbox",
 ]
 
 

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import ProducerFenced
+from aiokafka.partitioner import murmur2
 
 from consumers.lanes.commands import Command, CommandResult, Ensure
 from consumers.runtime.backpressure import FetchThrottle
@@ -103,6 +104,17 @@ class Pod:
         if self._stop_requested_at is None:
             self._stop_requested_at = time.monotonic()
         self._stop.set()
+
+    def input_partition_of(self, key: str) -> int | None:
+        """The execution-created partition the default partitioner sends ``key`` to (``None``:
+        the topic's partition count is not known yet). Agent executions are keyed by session id,
+        so this is where a session's executions and their states live."""
+        consumer = self._consumer
+        partitions = consumer.partitions_for_topic(self.config.topics.execution_created) if consumer else None
+        if not partitions:
+            return None
+        hashed: int = murmur2(key.encode("utf-8"))
+        return (hashed & 0x7FFFFFFF) % len(partitions)
 
     @property
     def stopping(self) -> asyncio.Event:

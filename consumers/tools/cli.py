@@ -54,6 +54,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from consumers.tools.reaper import start_periodic_reaper  # SANDBOX_LANES_REAP_INTERVAL_S (0 = off)
 
         start_periodic_reaper(settings, composed)  # the pod awaits it within its shutdown bound
+        from consumers.ops.driver_background import start_driver_background
+
+        start_driver_background(composed)  # the agent-sandbox idle sweep; awaited the same way
         try:
             if ops is not None:  # /metrics, /healthz, /readyz on this loop; 503 until the pod is ready
                 try:

@@ -40,6 +40,17 @@ Run
     controller's workers have started; it raises ``RuntimeError`` with the log tail
     otherwise. ``stop()`` sends SIGTERM, then SIGKILL after a timeout. The CRDs and RBAC
     stay: the node is torn down by its own owner.
+
+Garbage collector
+    kube-controller-manager's garbage collector re-reads API discovery only every 30 s
+    (hard-coded). Until then it has no REST mapping and no informer for CRDs installed
+    after it started ("unable to get REST mapping for agents.x-k8s.io/v1beta1/Sandbox"),
+    so anything that needs it for a Sandbox's dependents stalls: a foreground delete took
+    about 24 s instead of about 3 s. ``start()`` therefore also waits (``wait_for_gc``)
+    until a throwaway Suspended Sandbox, deleted with ``propagationPolicy: Foreground``
+    right after the CRDs are installed, is really gone: only the GC removes the
+    ``foregroundDeletion`` finalizer. This overlaps the controller's own start and costs
+    at most the rest of the GC's 30 s period, once per node.
 """
 
 from __future__ import annotations
@@ -78,6 +89,8 @@ RBAC_FILES: Final = ("rbac.generated.yaml", "extensions-rbac.generated.yaml")
 IDENTITY_FILES: Final = ("controller.yaml", "extensions.yaml")
 IDENTITY_KINDS: Final = ("Namespace", "ServiceAccount", "ClusterRoleBinding")
 
+#: The throwaway Sandbox whose foreground delete shows the garbage collector knows the CRDs.
+GC_PROBE: Final = "gc-probe"
 #: kind -> (plural, namespaced) for what the install applies.
 _RESOURCES: Final = {
     "CustomResourceDefinition": ("customresourcedefinitions", False),
@@ -106,11 +119,7 @@ def manifests_dir() -> Path:
 
 def is_built() -> bool:
     binary = binary_path()
-    return (
-        binary.is_file()
-        and os.access(binary, os.X_OK)
-        and any((manifests_dir() / CRD_DIR).glob("*.yaml"))
-    )
+    return binary.is_file() and os.access(binary, os.X_OK) and any((manifests_dir() / CRD_DIR).glob("*.yaml"))
 
 
 def _go() -> str:
@@ -275,19 +284,29 @@ class AgentSandboxController:
     """The controller as a host process against a started ``KubeNode``, as its own ServiceAccount.
 
     ``start()`` installs CRDs/RBAC/ServiceAccount, starts the controller and waits until
-    it is ready; ``stop()`` stops the process (CRDs and RBAC stay). Timings of the last
-    start are in ``install_seconds`` and ``start_seconds``.
+    it is ready (and, with ``wait_for_gc``, until the garbage collector handles Sandboxes);
+    ``stop()`` stops the process (CRDs and RBAC stay). Timings of the last start:
+    ``install_seconds`` (manifests applied, CRDs Established), ``start_seconds`` (all of
+    ``start()``) and ``gc_wait_seconds`` (the part after the controller was ready).
     """
 
-    def __init__(self, node: KubeNode, binary: Path | None = None, ready_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        node: KubeNode,
+        binary: Path | None = None,
+        ready_timeout: float = 60.0,
+        wait_for_gc: bool = True,
+    ) -> None:
         self.node = node
         self.binary = binary or binary_path()
         self.ready_timeout = ready_timeout
+        self.wait_for_gc = wait_for_gc
         self.proc: subprocess.Popen[bytes] | None = None
         self.metrics_port = 0
         self.probe_port = 0
         self.install_seconds = 0.0
         self.start_seconds = 0.0
+        self.gc_wait_seconds = 0.0
 
     @property
     def log_path(self) -> Path:
@@ -308,15 +327,23 @@ class AgentSandboxController:
 
     def start(self) -> None:
         if not (self.binary.is_file() and os.access(self.binary, os.X_OK)):
-            raise RuntimeError(f"{BINARY} missing at {self.binary} (run: python -m harness.agent_sandbox build)")
+            raise RuntimeError(
+                f"{BINARY} missing at {self.binary} (run: python -m harness.agent_sandbox build)"
+            )
         if self.node.workdir is None:
             raise RuntimeError("the KubeNode is not started")
         started = time.monotonic()
         try:
             self.install()
             self.install_seconds = time.monotonic() - started
+            if self.wait_for_gc:
+                self._start_gc_probe()
             self._write_kubeconfig()
             self._start_process()
+            if self.wait_for_gc:
+                gc_started = time.monotonic()
+                self._wait_gc_probe()
+                self.gc_wait_seconds = time.monotonic() - gc_started
         except BaseException:
             self.stop()
             raise
@@ -365,6 +392,56 @@ class AgentSandboxController:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"CRDs not Established within 30s: {sorted(pending)}")
             time.sleep(0.2)
+
+    def _gc_probe_path(self) -> str:
+        return f"/apis/{API_VERSION}/namespaces/{NAMESPACE}/sandboxes/{GC_PROBE}"
+
+    def _start_gc_probe(self) -> None:
+        """Create a Suspended Sandbox (no pod, no controller needed) and delete it in the foreground."""
+        path = self._gc_probe_path()
+        try:
+            self.node.api(
+                "POST",
+                path.rsplit("/", 1)[0],
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": "Sandbox",
+                    "metadata": {"name": GC_PROBE},
+                    "spec": {
+                        "operatingMode": "Suspended",
+                        "podTemplate": {
+                            "spec": {"containers": [{"name": "probe", "image": "gc-probe:none"}]}
+                        },
+                    },
+                },
+            )
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:  # left over from an earlier start on this node: delete that one
+                raise
+        try:
+            self.node.api(
+                "DELETE",
+                path,
+                {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Foreground"},
+            )
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise
+
+    def _wait_gc_probe(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.node.api("GET", self._gc_probe_path())
+            except urllib.error.HTTPError as exc:
+                if exc.code == 404:
+                    return
+                raise
+            time.sleep(0.1)
+        raise RuntimeError(
+            f"the garbage collector did not finish a foreground delete of Sandbox {NAMESPACE}/{GC_PROBE} "
+            f"within {timeout:.0f}s (it has not picked up the agent-sandbox CRDs)"
+        )
 
     def _write_kubeconfig(self) -> None:
         """A kubeconfig with a fresh TokenRequest token of the controller's ServiceAccount."""
@@ -454,9 +531,13 @@ class AgentSandboxController:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("build", help=f"compile agent-sandbox-controller {VERSION} into the cache (skipped when present)")
+    sub.add_parser(
+        "build", help=f"compile agent-sandbox-controller {VERSION} into the cache (skipped when present)"
+    )
     sub.add_parser("path", help="print the binary path")
     args = parser.parse_args(argv)
     if args.cmd == "build":

@@ -1,0 +1,332 @@
+"""The agent-sandbox driver on the real node with the real kubernetes-sigs/agent-sandbox controller.
+
+Upstream's driver.test.ts pins the arms against a fake gateway; here each arm runs against the
+controller: the runner pod comes up with its environment (read inside the pod), suspend removes the
+pod and keeps the session's workspace claim, a wake brings it back with the file kept, and
+deprovision leaves nothing. The idle sweep runs in the pod, through Kafka, judging the session by
+the pod's own state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness.agent_sandbox import AgentSandboxController
+from harness.kube_apiserver import KubeApiServer
+from harness.kube_node import RUNNER_IMAGE, KubeNode
+from kubernetes import client
+
+from consumers.ops.driver_background import start_driver_background
+from consumers.ops.settings import load_settings
+from consumers.tools.reaper import start_periodic_reaper
+from drivers.agent_sandbox_driver import (
+    LOG_ENSURED,
+    NOT_INSTALLED,
+    AgentSandboxProvisioner,
+    new_agent_sandbox_provisioner,
+)
+from drivers.agent_sandbox_manifests import GROUP, PLURAL, VERSION, workspace_claim_name
+from drivers.contract import DriverConfig, SandboxEnvironment, SandboxError
+from drivers.kubernetes_manifests import secret_name
+from drivers.naming import sandbox_base_name
+from events.codec import new_meta
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
+from tests.pod_harness import produce, read_topic, running_pod, unique_env
+from tests.test_kubernetes_node import (
+    SMALL_RUNNER,
+    env_inside,
+    gone,
+    pod_exec,
+    runner_pods,
+    running_runner_pod,
+    wait_for,
+)
+from tests.test_pod_drivers_e2e import TOKEN_KEY
+from tests.test_replay import replay_cli
+
+pytestmark = pytest.mark.kubernetes
+
+LOG = logging.getLogger("test.agent_sandbox")
+
+
+def as_config(namespace: str, kubeconfig: Path, **options: str) -> DriverConfig:
+    return DriverConfig(
+        backend_endpoint="http://127.0.0.1:7234",
+        temporal_address="127.0.0.1:7233",
+        runner_image=RUNNER_IMAGE,
+        kubernetes_namespace=namespace,
+        temporal_namespace="sandboxes",
+        runner_secret_env={"ANTHROPIC_API_KEY": "sk-ant-as-secret"},
+        temporal_connection_env={"STIGMER_TEMPORAL_API_KEY": "temporal-as-key"},
+        options={"kubeconfig": str(kubeconfig), **SMALL_RUNNER, **options},
+    )
+
+
+@pytest.fixture
+async def as_driver(
+    kube_node: KubeNode, agent_sandbox: AgentSandboxController, node_namespace: str
+) -> AsyncIterator[AgentSandboxProvisioner]:
+    p = new_agent_sandbox_provisioner(as_config(node_namespace, kube_node.kubeconfig_path), LOG)
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+def _sandbox(custom: Any, ns: str, name: str) -> dict[str, Any]:
+    obj: dict[str, Any] = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)
+    return obj
+
+
+def _json_patch(custom: Any, ns: str, name: str, ops: list[dict[str, Any]]) -> None:
+    custom.patch_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, name, ops, _content_type="application/json-patch+json"
+    )
+
+
+def _arms(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.__dict__["arm"] for r in caplog.records if r.getMessage() == LOG_ENSURED]
+
+
+async def test_the_ensure_arms_on_the_real_controller_keep_the_session_workspace(
+    kube_node: KubeNode,
+    node_admin: Any,
+    node_namespace: str,
+    as_driver: AgentSandboxProvisioner,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="test.agent_sandbox")
+    core, custom = client.CoreV1Api(node_admin), client.CustomObjectsApi(node_admin)
+    ns, session = node_namespace, f"ses_as_{uuid.uuid4().hex[:8]}"
+    base = sandbox_base_name("session", session)
+    first = SandboxEnvironment(task_queue=f"session:{session}", stigmer_token="tok.first.value")
+
+    # absent: created Suspended, its Secret owned by it, then woken.
+    started = time.monotonic()
+    assert await as_driver.ensure("session", session, first) == "running"
+    pod = await wait_for("the runner pod", lambda: running_runner_pod(core, ns, session))
+    LOG.info("agent-sandbox ensure -> runner pod Running in %.2fs", time.monotonic() - started)
+    sandbox = _sandbox(custom, ns, base)
+    assert sandbox["spec"]["operatingMode"] == "Running"
+    secret = core.read_namespaced_secret(secret_name(base), ns)
+    assert [(o.kind, o.name, o.uid) for o in secret.metadata.owner_references] == [
+        ("Sandbox", base, sandbox["metadata"]["uid"])
+    ]
+    inside = env_inside(core, ns, pod.metadata.name)
+    assert inside["STIGMER_TOKEN"] == "tok.first.value"
+    assert inside["STIGMER_TASK_QUEUE"] == f"session:{session}"
+    assert inside["STIGMER_TEMPORAL_API_KEY"] == "temporal-as-key"
+    assert inside["ANTHROPIC_API_KEY"] == "sk-ant-as-secret"
+    assert inside["STIGMER_BACKEND_ENDPOINT"] == "http://127.0.0.1:7234"
+    claim = core.read_namespaced_persistent_volume_claim(workspace_claim_name(base), ns)
+    pod_exec(core, ns, pod.metadata.name, ["/bin/sh", "-c", "echo kept > /workspace/marker"])
+    assert await as_driver.probe("session", session) == "running"
+
+    # Running: only the Secret is rewritten; the pod keeps running with the token it booted with.
+    second = SandboxEnvironment(task_queue=f"session:{session}", stigmer_token="tok.second.value")
+    assert await as_driver.ensure("session", session, second) == "running"
+    await asyncio.sleep(1)
+    same = running_runner_pod(core, ns, session)
+    assert same is not None and same.metadata.uid == pod.metadata.uid
+    assert env_inside(core, ns, same.metadata.name)["STIGMER_TOKEN"] == "tok.first.value"
+
+    # Suspended (as the idle sweep leaves it): no pod, the claim stays Bound.
+    _json_patch(custom, ns, base, [{"op": "add", "path": "/spec/operatingMode", "value": "Suspended"}])
+    await wait_for("the suspended pod to go", lambda: not runner_pods(core, ns, session), timeout=90)
+    assert await as_driver.probe("session", session) == "stopped"
+    assert core.read_namespaced_persistent_volume_claim(claim.metadata.name, ns).status.phase == "Bound"
+
+    # Suspended -> ensure: a fresh token in the Secret, woken with this server's template, file kept.
+    third = SandboxEnvironment(task_queue=f"session:{session}", stigmer_token="tok.third.value")
+    assert await as_driver.ensure("session", session, third) == "running"
+    woken = await wait_for("the woken runner pod", lambda: running_runner_pod(core, ns, session))
+    assert env_inside(core, ns, woken.metadata.name)["STIGMER_TOKEN"] == "tok.third.value"
+    assert pod_exec(core, ns, woken.metadata.name, ["/bin/cat", "/workspace/marker"]).strip() == "kept"
+    assert _arms(caplog) == ["created", "running", "suspended"]
+
+    # deprovision: a foreground delete; the pod, the Secret and the claim go with the Sandbox.
+    await as_driver.deprovision("session", session)
+    assert await as_driver.probe("session", session) == "absent"
+    for what, read in (
+        ("the Sandbox", lambda: _sandbox(custom, ns, base)),
+        ("the Secret", lambda: core.read_namespaced_secret(secret_name(base), ns)),
+        ("the claim", lambda: core.read_namespaced_persistent_volume_claim(claim.metadata.name, ns)),
+    ):
+        await wait_for(f"{what} to be deleted", lambda read=read: gone(read), timeout=90)
+    await wait_for("the runner pod to go", lambda: not runner_pods(core, ns, session), timeout=90)
+    await as_driver.deprovision("session", session)  # missing is success
+
+
+async def test_a_sandbox_being_deleted_is_waited_out_then_created_again(
+    node_admin: Any, node_namespace: str, as_driver: AgentSandboxProvisioner, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="test.agent_sandbox")
+    core, custom = client.CoreV1Api(node_admin), client.CustomObjectsApi(node_admin)
+    ns, execution = node_namespace, f"wfx_as_{uuid.uuid4().hex[:8]}"
+    base = sandbox_base_name("workflow", execution)
+    env = SandboxEnvironment(task_queue=f"wfexec:{execution}")
+    await as_driver.ensure("workflow", execution, env)
+    first_uid = _sandbox(custom, ns, base)["metadata"]["uid"]
+    # A finalizer holds the Sandbox in "being deleted" until the test lets go of it.
+    _json_patch(custom, ns, base, [{"op": "add", "path": "/metadata/finalizers", "value": ["test/hold"]}])
+    custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, base)
+    assert await as_driver.probe("workflow", execution) == "absent"  # being deleted counts as absent
+    as_driver.delete_poll_seconds = 0.2
+    ensuring = asyncio.create_task(as_driver.ensure("workflow", execution, env))
+    await asyncio.sleep(1.0)
+    assert not ensuring.done(), "the ensure did not wait for the deletion"
+    _json_patch(custom, ns, base, [{"op": "remove", "path": "/metadata/finalizers"}])
+    assert await asyncio.wait_for(ensuring, 60) == "running"
+    again = _sandbox(custom, ns, base)
+    assert again["metadata"]["uid"] != first_uid and again["spec"]["operatingMode"] == "Running"
+    await wait_for("the new runner pod", lambda: running_runner_pod(core, ns, execution))
+    assert _arms(caplog) == ["created", "created"]
+    await as_driver.deprovision("workflow", execution)
+
+    # One that is never let go fails after the polls, with the reason.
+    await as_driver.ensure("workflow", execution, env)  # waits out the deprovision, then creates
+    _json_patch(custom, ns, base, [{"op": "add", "path": "/metadata/finalizers", "value": ["test/hold"]}])
+    custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, base)
+    as_driver.delete_polls = 3
+    with pytest.raises(SandboxError, match=f"{base} is still being deleted after"):
+        await as_driver.ensure("workflow", execution, env)
+    _json_patch(custom, ns, base, [{"op": "remove", "path": "/metadata/finalizers"}])
+
+
+async def test_without_the_agent_sandbox_api_the_create_says_to_install_it(
+    kube_apiserver: KubeApiServer, kube_namespace: str
+) -> None:
+    driver = new_agent_sandbox_provisioner(as_config(kube_namespace, kube_apiserver.kubeconfig_path), LOG)
+    try:
+        with pytest.raises(SandboxError) as err:
+            await driver.ensure("session", "ses_none", SandboxEnvironment(task_queue="session:ses_none"))
+        assert NOT_INSTALLED in str(err.value)
+    finally:
+        await driver.close()
+
+
+def agent_execution_created(execution_id: str, session_id: str) -> inputs_pb2.ExecutionCreated:
+    return inputs_pb2.ExecutionCreated(
+        meta=new_meta(),
+        kind=common_pb2.AGENT_EXECUTION,
+        execution_id=execution_id,
+        session_id=session_id,
+        session_execution_target=common_pb2.CLOUD,
+        caller_identity_id="ida_as",
+    )
+
+
+def agent_completed(execution_id: str, session_id: str) -> inputs_pb2.PhaseChanged:
+    return inputs_pb2.PhaseChanged(
+        meta=new_meta(),
+        kind=common_pb2.AGENT_EXECUTION,
+        execution_id=execution_id,
+        session_id=session_id,
+        previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
+        new_phase=common_pb2.EXECUTION_COMPLETED,
+    )
+
+
+@pytest.mark.kafka
+async def test_the_pods_idle_sweep_suspends_an_idle_session_and_the_next_execution_wakes_it(
+    kafka_bootstrap: str,
+    kube_node: KubeNode,
+    agent_sandbox: AgentSandboxController,
+    node_admin: Any,
+    node_namespace: str,
+    tmp_path: Path,
+) -> None:
+    core, custom = client.CoreV1Api(node_admin), client.CustomObjectsApi(node_admin)
+    ns, session = node_namespace, f"ses_idle_{uuid.uuid4().hex[:8]}"
+    base = sandbox_base_name("session", session)
+    options = ",".join(
+        f"{k}={v}" for k, v in {"kubeconfig": str(kube_node.kubeconfig_path), **SMALL_RUNNER}.items()
+    )
+    env = unique_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_PROVISIONER_TYPE="agent-sandbox",
+        SANDBOX_LANES_DRIVER_OPTIONS=options,
+        STIGMER_SANDBOX_K8S_NAMESPACE=ns,
+        STIGMER_SANDBOX_RUNNER_IMAGE=RUNNER_IMAGE,
+        STIGMER_SANDBOX_BACKEND_ENDPOINT="http://127.0.0.1:7234",
+        STIGMER_SANDBOX_TEMPORAL_ADDRESS="127.0.0.1:7233",
+        STIGMER_RUNNER_TOKEN_KEY=TOKEN_KEY,
+        STIGMER_SANDBOX_AGENT_SANDBOX_SUSPEND_AFTER_SECONDS="3",
+        STIGMER_SANDBOX_AGENT_SANDBOX_SWEEP_INTERVAL_SECONDS="1",
+        SANDBOX_LANES_REAP_INTERVAL_S="0.5",
+        SANDBOX_LANES_REAP_GRACE_S="1",
+    )
+    settings = load_settings(env)
+    topics = settings.topics
+    # A Sandbox left behind by someone else's crash: our labels, no execution state.
+    orphan = f"wfx_as_orphan_{uuid.uuid4().hex[:8]}"
+    leaker = new_agent_sandbox_provisioner(as_config(ns, kube_node.kubeconfig_path), LOG)
+    await leaker.ensure("workflow", orphan, SandboxEnvironment(task_queue=f"wfexec:{orphan}"))
+    await leaker.close()
+    async with running_pod(env) as composed:
+        assert start_driver_background(composed) is not None
+        first = f"axr_idle_{uuid.uuid4().hex[:8]}"
+        await produce(kafka_bootstrap, env, agent_execution_created(first, session))
+        (provisioned,) = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
+        assert isinstance(provisioned.message, outcomes_pb2.SandboxProvisioned), provisioned.message
+        assert provisioned.message.sandbox.driver == "agent-sandbox"
+        pod = await wait_for("the session's runner pod", lambda: running_runner_pod(core, ns, session))
+        assert env_inside(core, ns, pod.metadata.name)["STIGMER_TOKEN"].count(".") == 2
+        pod_exec(core, ns, pod.metadata.name, ["/bin/sh", "-c", "echo kept > /workspace/marker"])
+
+        # The reaper knows the Sandbox type: the orphan goes, the live session's Sandbox stays.
+        assert start_periodic_reaper(settings, composed) is not None
+        orphan_base = sandbox_base_name("workflow", orphan)
+        await wait_for(
+            "the reaper to remove the orphan", lambda: gone(lambda: _sandbox(custom, ns, orphan_base))
+        )
+
+        # Busy: the execution runs, so the sweep leaves the session alone past the window.
+        await asyncio.sleep(5)
+        assert _sandbox(custom, ns, base)["spec"]["operatingMode"] == "Running"
+
+        # Idle: the execution completed; after the window the sweep suspends (never deletes).
+        done_at = time.monotonic()
+        await produce(kafka_bootstrap, env, agent_completed(first, session))
+        await wait_for(
+            "the sweep to suspend the idle session",
+            lambda: _sandbox(custom, ns, base)["spec"]["operatingMode"] == "Suspended",
+            timeout=60,
+        )
+        assert time.monotonic() - done_at >= 3 - 0.5  # not before the window (the clock is the state's stamp)
+        await wait_for("the suspended pod to go", lambda: not runner_pods(core, ns, session), timeout=90)
+        claim = core.read_namespaced_persistent_volume_claim(workspace_claim_name(base), ns)
+        assert claim.status.phase == "Bound"
+
+        # The session's next execution wakes the same Sandbox, workspace kept.
+        uid = _sandbox(custom, ns, base)["metadata"]["uid"]
+        second = f"axr_idle_{uuid.uuid4().hex[:8]}"
+        await produce(kafka_bootstrap, env, agent_execution_created(second, session))
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
+        woken = await wait_for("the woken runner pod", lambda: running_runner_pod(core, ns, session))
+        assert _sandbox(custom, ns, base)["metadata"]["uid"] == uid
+        assert pod_exec(core, ns, woken.metadata.name, ["/bin/cat", "/workspace/marker"]).strip() == "kept"
+
+        # The session deleted: deprovisioned, nothing left.
+        await produce(kafka_bootstrap, env, inputs_pb2.SessionDeleted(meta=new_meta(), session_id=session))
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=4)
+        kinds = [type(o.message).__name__ for o in outcomes]
+        assert kinds == [
+            "SandboxProvisioned",
+            "SandboxReaped",
+            "SandboxProvisioned",
+            "SandboxDeprovisioned",
+        ], kinds
+    await wait_for("the Sandbox to go", lambda: gone(lambda: _sandbox(custom, ns, base)), timeout=90)
+    await wait_for("the runner pod to go", lambda: not runner_pods(core, ns, session), timeout=90)
+    # Replay knows the type too: every recorded decision re-derived, no driver built.
+    replayed = replay_cli(env, "--from-beginning")
+    assert replayed.returncode == 0 and "no divergence" in replayed.stdout, replayed.stdout + replayed.stderr
