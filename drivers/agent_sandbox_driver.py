@@ -57,6 +57,8 @@ from drivers.agent_sandbox_manifests import (
     sandbox_manifest,
     wake_patch,
 )
+from drivers.agent_sandbox_warm import CLAIMS, EXT_GROUP, EXT_VERSION, WARM_SCOPES
+from drivers.agent_sandbox_warm_pool import DEFAULT_ADOPT_TIMEOUT_S, WarmPool
 from drivers.contract import (
     SCOPES,
     DriverConfig,
@@ -130,6 +132,8 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         api_client: Any,
         idle: IdleConfig,
         clock: Callable[[], float] = time.time,
+        warm_pool_size: int = 0,
+        warm_adopt_timeout_s: float = DEFAULT_ADOPT_TIMEOUT_S,
     ) -> None:
         super().__init__(config, logger, api_client)
         self._custom = k8s.CustomObjectsApi(api_client)
@@ -138,6 +142,33 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         self._locks: dict[str, asyncio.Lock] = {}
         #: When this process last ensured each Sandbox: the idle clock's floor (upstream's record).
         self.last_ensured: dict[str, float] = {}
+        #: The warm-pool path (an option upstream does not have); None when ``warm_pool_size`` is 0.
+        self.warm = WarmPool(self, warm_pool_size, warm_adopt_timeout_s) if warm_pool_size > 0 else None
+
+    # -- what the warm-pool path uses
+    @property
+    def config(self) -> DriverConfig:
+        return self._config
+
+    @property
+    def logger(self) -> logging.Logger:
+        return self._logger
+
+    @property
+    def custom(self) -> Any:
+        return self._custom
+
+    @property
+    def core(self) -> Any:
+        return self._core
+
+    async def call(self, action: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await self._call(action, fn, *args, **kwargs)
+
+    def bind_metrics(self, registry: Any) -> None:
+        """The warm-pool metrics on the pod's registry (``/metrics``)."""
+        if self.warm is not None:
+            self.warm.bind_metrics(registry)
 
     @property
     def driver_name(self) -> str:
@@ -227,6 +258,14 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         async with self._lock(base):
             obj = await self._wait_out_deletion(base)
             arm = "created"
+            if obj is None and self.warm is not None and scope in WARM_SCOPES:
+                claimed = await self._ensure_claimed(scope, sandbox_id, env)
+                if claimed is not None:
+                    self.last_ensured[base] = self._clock()
+                    self._logger.info(
+                        LOG_ENSURED, extra={"scope": scope, "id": sandbox_id, "sandbox": base, "arm": claimed}
+                    )
+                    return "running"
             if obj is None:
                 obj = await self._create(sandbox_manifest(self._config, scope, sandbox_id, env), env)
                 if obj is None:  # another server's ensure created it first: take its arm
@@ -258,6 +297,20 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         )
         return "running"
 
+    async def _ensure_claimed(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> str | None:
+        """The warm path's arm: ``claimed`` (a live claim holds it), ``warm`` or ``claimed-cold`` (a
+        new claim adopted a pool sandbox, or the controller cold-started it); ``None``: go cold."""
+        assert self.warm is not None
+        base = sandbox_base_name(scope, sandbox_id)
+        if await self.warm.claimed_sandbox(base) is not None:
+            return "claimed"
+        launch = await self.warm.try_adopt(scope, sandbox_id, env)
+        if launch is None:
+            return None
+        return "warm" if launch == "warm" else "claimed-cold"
+
     async def _wait_out_deletion(self, name: str) -> dict[str, Any] | None:
         obj = await self.read_sandbox(name)
         polls = 0
@@ -285,13 +338,31 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
             propagation_policy="Foreground",
             tolerate=frozenset({404}),
         )
+        if scope in WARM_SCOPES:  # a claim stands for it (also one left from a warm-enabled run)
+            await self._delete_claim(base)
         self.last_ensured.pop(base, None)
         self._logger.info(
             "agent-sandbox sandbox deprovisioned", extra={"scope": scope, "id": sandbox_id, "sandbox": base}
         )
 
+    async def _delete_claim(self, base: str) -> None:
+        await self._call(
+            f"delete SandboxClaim {self._ns}/{base}",
+            self._custom.delete_namespaced_custom_object,
+            EXT_GROUP,
+            EXT_VERSION,
+            self._ns,
+            CLAIMS,
+            base,
+            propagation_policy="Foreground",
+            tolerate=frozenset({404}),  # also when the extensions' API is not installed
+        )
+
     async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:
-        obj = await self.read_sandbox(sandbox_base_name(scope, sandbox_id))
+        base = sandbox_base_name(scope, sandbox_id)
+        obj = await self.read_sandbox(base)
+        if obj is None and self.warm is not None and scope in WARM_SCOPES:
+            obj = await self.warm.claimed_sandbox(base)
         if obj is None or _view(obj).deleting:
             return "absent"
         return "running" if _view(obj).running else "stopped"
@@ -318,8 +389,21 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
                 return items
 
     async def list_managed(self) -> list[ManagedSandbox]:
+        """Sandboxes by our labels, and the claims standing for warm-adopted ones (by the same labels)."""
         found: list[ManagedSandbox] = []
-        for obj in await self._list(MANAGED_SELECTOR):
+        claims: list[dict[str, Any]] = []
+        if self.warm is not None:
+            page = await self._call(
+                f"list SandboxClaims in {self._ns}",
+                self._custom.list_namespaced_custom_object,
+                EXT_GROUP,
+                EXT_VERSION,
+                self._ns,
+                CLAIMS,
+                label_selector=MANAGED_SELECTOR,
+            )
+            claims = list((page or {}).get("items") or []) if isinstance(page, dict) else []
+        for obj in [*await self._list(MANAGED_SELECTOR), *claims]:
             labels: Mapping[str, str] = (obj.get("metadata") or {}).get("labels") or {}
             scope, sandbox_id = labels.get(LABEL_SCOPE), labels.get(LABEL_SANDBOX_ID)
             view = _view(obj)
@@ -417,13 +501,36 @@ class IdleSweep:
             await self._task
 
 
+def _warm_options(options: Mapping[str, str]) -> tuple[int, float]:
+    raw_size = options.get("warm_pool_size") or "0"
+    raw_timeout = options.get("warm_adopt_timeout_seconds") or str(DEFAULT_ADOPT_TIMEOUT_S)
+    if not raw_size.strip().isdigit():
+        raise ValueError(
+            f"sandbox provisioner '{DRIVER_NAME}': warm_pool_size must be a whole number >= 0,"
+            f" got {raw_size!r}"
+        )
+    try:
+        timeout = float(raw_timeout)
+    except ValueError:
+        timeout = 0.0
+    if timeout <= 0:
+        raise ValueError(
+            f"sandbox provisioner '{DRIVER_NAME}': warm_adopt_timeout_seconds must be a number > 0,"
+            f" got {raw_timeout!r}"
+        )
+    return int(raw_size), timeout
+
+
 def new_agent_sandbox_provisioner(config: DriverConfig, logger: logging.Logger) -> AgentSandboxProvisioner:
     boot_checks(config, DRIVER_NAME)
     idle = idle_config(config.options)
+    size, timeout = _warm_options(config.options)
     pool = max_pool_size(config.options)
     cfg = load_client_configuration(config.options)
     cfg.connection_pool_maxsize = pool
-    return AgentSandboxProvisioner(config, logger, k8s.ApiClient(cfg), idle)
+    return AgentSandboxProvisioner(
+        config, logger, k8s.ApiClient(cfg), idle, warm_pool_size=size, warm_adopt_timeout_s=timeout
+    )
 
 
 __all__ = [

@@ -28,7 +28,7 @@ RUNNER_COMMAND: Final[tuple[str, ...]] = tuple(runner_command())
 WORKSPACE_DIR: Final = "/workspace"
 RUNNER_HOME: Final = LAUNCH_HOME
 #: Rendering order of the driver-owned plain values (upstream's manifest order).
-_PLAIN_ORDER: Final[tuple[str, ...]] = (
+PLAIN_ORDER: Final[tuple[str, ...]] = (
     "MODE",
     "STIGMER_TASK_QUEUE",
     "STIGMER_BACKEND_ENDPOINT",
@@ -117,8 +117,8 @@ def container_env(
     ``optional_refs`` (the agent-sandbox tier) lets the pod start when a key was dropped from the Secret.
     """
     contract = runner_env(config, env)
-    owned = [k for k in _PLAIN_ORDER if k in contract.plain]
-    operator = [k for k in contract.plain if k not in _PLAIN_ORDER]
+    owned = [k for k in PLAIN_ORDER if k in contract.plain]
+    operator = [k for k in contract.plain if k not in PLAIN_ORDER]
     out: list[dict[str, Any]] = [{"name": k, "value": contract.plain[k]} for k in (*owned, *operator)]
     secret_keys = [TOKEN_ENV] if TOKEN_ENV in contract.secret else []
     secret_keys += [k for k in contract.secret if k != TOKEN_ENV]

@@ -330,3 +330,107 @@ async def test_the_pods_idle_sweep_suspends_an_idle_session_and_the_next_executi
     # Replay knows the type too: every recorded decision re-derived, no driver built.
     replayed = replay_cli(env, "--from-beginning")
     assert replayed.returncode == 0 and "no divergence" in replayed.stdout, replayed.stdout + replayed.stderr
+
+
+async def pool_ready(driver: AgentSandboxProvisioner, replicas: int, timeout: float = 90) -> None:
+    assert driver.warm is not None
+    deadline = time.monotonic() + timeout
+    while (ready := await driver.warm.ready_replicas()) != replicas:
+        assert time.monotonic() < deadline, f"the pool has {ready} ready, not {replicas}"
+        await asyncio.sleep(0.1)
+
+
+def _claim(custom: Any, ns: str, name: str) -> dict[str, Any]:
+    obj: dict[str, Any] = custom.get_namespaced_custom_object(
+        "extensions.agents.x-k8s.io", "v1beta1", ns, "sandboxclaims", name
+    )
+    return obj
+
+
+async def test_a_warm_claim_adopts_a_running_pool_sandbox_and_hands_it_the_secrets_out_of_band(
+    kube_node: KubeNode,
+    agent_sandbox: AgentSandboxController,
+    node_admin: Any,
+    node_namespace: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="test.agent_sandbox")
+    core, custom = client.CoreV1Api(node_admin), client.CustomObjectsApi(node_admin)
+    ns = node_namespace
+    driver = new_agent_sandbox_provisioner(
+        as_config(ns, kube_node.kubeconfig_path, warm_pool_size="2", warm_adopt_timeout_seconds="10"), LOG
+    )
+    assert driver.warm is not None
+    try:
+        await driver.warm.prepare()
+        await pool_ready(driver, 2)
+
+        execution = f"wfx_warm_{uuid.uuid4().hex[:8]}"
+        base = sandbox_base_name("workflow", execution)
+        token = "tok.warm.secret"
+        started = time.monotonic()
+        assert (
+            await driver.ensure("workflow", execution, SandboxEnvironment(f"wfexec:{execution}", token))
+            == "running"
+        )
+        took = time.monotonic() - started
+        LOG.info("warm ensure (claim Ready + secrets delivered) in %.3fs", took)
+        assert _arms(caplog) == ["warm"]
+        claim = _claim(custom, ns, base)
+        adopted = claim["status"]["sandbox"]["name"]
+        assert adopted != base  # the pool's sandbox, adopted under its own name
+        sandbox = _sandbox(custom, ns, adopted)
+        assert sandbox["metadata"]["labels"]["agents.x-k8s.io/launch-type"] == "warm"
+
+        # The runner started with its assignment: the queue from the annotation, the secrets from exec.
+        def runner_env_of() -> dict[str, str]:
+            out = pod_exec(core, ns, adopted, ["/bin/sh", "-c", "tr '\\0' '\\n' < /proc/1/environ"])
+            return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+        started_env = await wait_for("the runner to start", lambda: runner_env_of().get("STIGMER_TOKEN"))
+        assert started_env == token
+        inside = runner_env_of()
+        assert inside["STIGMER_TASK_QUEUE"] == f"wfexec:{execution}"
+        assert inside["ANTHROPIC_API_KEY"] == "sk-ant-as-secret"
+        assert inside["STIGMER_TEMPORAL_API_KEY"] == "temporal-as-key"
+        assert "runner stand-in up" in core.read_namespaced_pod_log(adopted, ns, container="runner")
+        # ... and the secrets are in no API object: not the claim, the Sandbox, the pod or an event.
+        pod = core.read_namespaced_pod(adopted, ns)
+        visible = str(claim) + str(_sandbox(custom, ns, adopted)) + str(pod.to_dict())
+        visible += str(core.list_namespaced_event(ns).to_dict())
+        for secret in (token, "sk-ant-as-secret", "temporal-as-key"):
+            assert secret not in visible
+        mode = pod_exec(core, ns, adopted, ["/bin/stat", "-c", "%a", "/run/stigmer/assignment.env"]).strip()
+        assert mode == "600"
+
+        assert await driver.probe("workflow", execution) == "running"
+        assert await driver.ensure("workflow", execution, SandboxEnvironment(f"wfexec:{execution}", token))
+        assert _arms(caplog) == ["warm", "claimed"]
+        assert {m.sandbox_id for m in await driver.list_managed()} == {execution}
+        refill_from = time.monotonic()
+        await wait_for(
+            "the pool to refill", lambda: asyncio.run(driver.warm.ready_replicas()) == 2, timeout=90
+        )
+        LOG.info("pool refilled in %.2fs", time.monotonic() - refill_from)
+
+        await driver.deprovision("workflow", execution)
+        await wait_for("the claim to go", lambda: gone(lambda: _claim(custom, ns, base)), timeout=90)
+        await wait_for(
+            "the adopted Sandbox to go", lambda: gone(lambda: _sandbox(custom, ns, adopted)), timeout=90
+        )
+        assert await driver.probe("workflow", execution) == "absent"
+
+        # An adoption miss (a claim not Ready in time) falls back to a cold Sandbox of its own.
+        driver.warm.adopt_timeout_s = 0.001
+        missed = f"wfx_miss_{uuid.uuid4().hex[:8]}"
+        await driver.ensure("workflow", missed, SandboxEnvironment(f"wfexec:{missed}", token))
+        assert _arms(caplog)[-1] == "created"
+        assert driver.warm.metrics.misses.labels("not ready in time")._value.get() == 1
+        miss_base = sandbox_base_name("workflow", missed)
+        await wait_for(
+            "the missed claim to go", lambda: gone(lambda: _claim(custom, ns, miss_base)), timeout=90
+        )
+        await wait_for("the cold runner", lambda: running_runner_pod(core, ns, missed))
+        await driver.deprovision("workflow", missed)
+    finally:
+        await driver.close()

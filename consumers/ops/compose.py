@@ -79,6 +79,9 @@ def compose(
     if provisioner is None:
         provisioner = build_provisioner(settings, logger)
     metrics = PodMetrics()
+    bind_metrics = getattr(provisioner, "bind_metrics", None)
+    if bind_metrics is not None:  # a driver's own metrics (agent-sandbox's warm pool) on /metrics
+        bind_metrics(metrics.registry)
     if credentials is not None:
         creds = credentials
     elif settings.credential_provider:

@@ -1,0 +1,199 @@
+"""Warm pools for the agent-sandbox tier (an option upstream does not have), pure.
+
+agent-sandbox's extensions keep ``SandboxWarmPool`` replicas of a ``SandboxTemplate`` running; a
+``SandboxClaim`` adopts one (about 0.1 s against about 1 s for a cold Sandbox on the test node).
+A warm pod is already running when it is claimed, so nothing per-sandbox can be in its env:
+
+* **non-secret assignment** (the task queue, the sandbox id): annotations on the claim's
+  ``additionalPodMetadata``, which the controller propagates to the running pod; the pod reads
+  them from its downward-API file ``/etc/stigmer/podinfo/annotations``;
+* **secrets** (the token, the operator's runner secrets, the Temporal connection settings): never a
+  label or an annotation. The driver writes them into the pod over ``exec`` stdin (TLS to the API
+  server, then the kubelet), into ``/run/stigmer/assignment.env`` on a memory-backed emptyDir,
+  mode 0600; they appear in no API object, no event and no process argument.
+
+The warm runner contract (``WARM_RUNNER_SCRIPT``): wait until both the task-queue annotation and
+the assignment file are there, export them, then exec the normal runner entry
+(``/runner/bin/start /runner/dist/main.js``). Runners that only read env keep the cold path.
+
+Warm pods carry no workspace claim (a claim on the claim forces a cold start), so warm adoption
+serves the workflow and connect scopes; a session keeps its cold Sandbox and its own claim.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from typing import Any, Final
+
+from drivers.agent_sandbox_manifests import ADDED_CAPABILITIES
+from drivers.contract import DriverConfig, SandboxEnvironment, SandboxScope
+from drivers.kubernetes_manifests import (
+    CONTAINER_NAME,
+    DEFAULT_RESOURCES,
+    PLAIN_ORDER,
+    TERMINATION_GRACE_SECONDS,
+    WORKSPACE_DIR,
+    WORKSPACE_VOLUME,
+    runner_env,
+)
+from drivers.naming import LABEL_MANAGED_BY, MANAGED_BY_VALUE, sandbox_base_name, sandbox_labels
+from drivers.runner_launch import runner_command
+
+EXT_GROUP: Final = "extensions.agents.x-k8s.io"
+EXT_VERSION: Final = "v1beta1"
+EXT_API_VERSION: Final = f"{EXT_GROUP}/{EXT_VERSION}"
+TEMPLATES: Final = "sandboxtemplates"
+POOLS: Final = "sandboxwarmpools"
+CLAIMS: Final = "sandboxclaims"
+WARM_SCOPES: Final[frozenset[SandboxScope]] = frozenset({"workflow", "connect"})
+LAUNCH_TYPE_LABEL: Final = "agents.x-k8s.io/launch-type"
+ANNOTATION_TASK_QUEUE: Final = "stigmer.ai/task-queue"
+ANNOTATION_SANDBOX_ID: Final = "stigmer.ai/sandbox-id"
+ANNOTATION_SCOPE: Final = "stigmer.ai/scope"
+PODINFO_DIR: Final = "/etc/stigmer/podinfo"
+ASSIGNMENT_DIR: Final = "/run/stigmer"
+ASSIGNMENT_FILE: Final = f"{ASSIGNMENT_DIR}/assignment.env"
+#: Plain values that are the same for every sandbox: baked into the warm template's env.
+_PER_SANDBOX_PLAIN: Final = frozenset({"STIGMER_TASK_QUEUE"})
+
+#: Waits with shell builtins only (no fork) until the secrets arrive, so an idle pool costs little;
+#: then reads the queue annotation (the downward-API file lags the claim by up to about a second).
+WARM_RUNNER_SCRIPT: Final = (
+    f"a={ASSIGNMENT_FILE}; p={PODINFO_DIR}/annotations; "
+    'until [ -s "$a" ]; do sleep 0.05; done; '
+    "q=; while :; do "
+    f'q=$(sed -n \'s/^stigmer\\.ai\\/task-queue="\\(.*\\)"$/\\1/p\' "$p" 2>/dev/null); '
+    '[ -n "$q" ] && break; sleep 0.05; done; '
+    'export STIGMER_TASK_QUEUE="$q"; set -a; . "$a"; set +a; '
+    f"exec {' '.join(runner_command())}"
+)
+
+
+def warm_pod_template(config: DriverConfig) -> dict[str, Any]:
+    """The pool's pod template: the runner container waiting for its assignment."""
+    contract = runner_env(config, SandboxEnvironment(task_queue=""))
+    owned = [k for k in PLAIN_ORDER if k in contract.plain and k not in _PER_SANDBOX_PLAIN]
+    operator = [k for k in contract.plain if k not in PLAIN_ORDER]
+    opts = {k: config.options.get(k) or default for k, default in DEFAULT_RESOURCES.items()}
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": config.runner_image,
+        "command": ["/bin/sh", "-c", WARM_RUNNER_SCRIPT],
+        "workingDir": WORKSPACE_DIR,
+        "env": [{"name": k, "value": contract.plain[k]} for k in (*owned, *operator)],
+        "resources": {
+            "requests": {"cpu": opts["cpu_request"], "memory": opts["memory_request"]},
+            "limits": {"cpu": opts["cpu_limit"], "memory": opts["memory_limit"]},
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"], "add": list(ADDED_CAPABILITIES)},
+            "runAsUser": 0,
+            "runAsGroup": 0,
+        },
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [
+            {"name": WORKSPACE_VOLUME, "mountPath": WORKSPACE_DIR},
+            {"name": "assignment", "mountPath": ASSIGNMENT_DIR},
+            {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
+        ],
+    }
+    return {
+        "metadata": {"labels": {LABEL_MANAGED_BY: MANAGED_BY_VALUE}},
+        "spec": {
+            "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+            "automountServiceAccountToken": False,
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [container],
+            "volumes": [
+                {"name": WORKSPACE_VOLUME, "emptyDir": {}},
+                {"name": "assignment", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}},
+                {
+                    "name": "podinfo",
+                    "downwardAPI": {
+                        "items": [{"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}}]
+                    },
+                },
+            ],
+        },
+    }
+
+
+def pool_name(config: DriverConfig) -> str:
+    """One template and pool per runner template: a config change names a new pair."""
+    digest = hashlib.sha256(json.dumps(warm_pod_template(config), sort_keys=True).encode()).hexdigest()
+    return f"stigmer-runner-warm-{digest[:10]}"
+
+
+def template_manifest(config: DriverConfig) -> dict[str, Any]:
+    return {
+        "apiVersion": EXT_API_VERSION,
+        "kind": "SandboxTemplate",
+        "metadata": {
+            "name": pool_name(config),
+            "namespace": config.kubernetes_namespace,
+            "labels": {LABEL_MANAGED_BY: MANAGED_BY_VALUE},
+        },
+        # No NetworkPolicy of the controller's making: the operator owns network policy.
+        "spec": {"podTemplate": warm_pod_template(config), "networkPolicyManagement": "Unmanaged"},
+    }
+
+
+def pool_manifest(config: DriverConfig, replicas: int) -> dict[str, Any]:
+    name = pool_name(config)
+    return {
+        "apiVersion": EXT_API_VERSION,
+        "kind": "SandboxWarmPool",
+        "metadata": {
+            "name": name,
+            "namespace": config.kubernetes_namespace,
+            "labels": {LABEL_MANAGED_BY: MANAGED_BY_VALUE},
+        },
+        "spec": {"replicas": replicas, "sandboxTemplateRef": {"name": name}},
+    }
+
+
+def claim_manifest(
+    config: DriverConfig, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+) -> dict[str, Any]:
+    """A claim on the pool, named like the Sandbox it stands for, with the non-secret assignment."""
+    return {
+        "apiVersion": EXT_API_VERSION,
+        "kind": "SandboxClaim",
+        "metadata": {
+            "name": sandbox_base_name(scope, sandbox_id),
+            "namespace": config.kubernetes_namespace,
+            "labels": sandbox_labels(scope, sandbox_id),
+        },
+        "spec": {
+            "warmPoolRef": {"name": pool_name(config)},
+            "additionalPodMetadata": {
+                "annotations": {
+                    ANNOTATION_TASK_QUEUE: env.task_queue,
+                    ANNOTATION_SANDBOX_ID: sandbox_id,
+                    ANNOTATION_SCOPE: scope,
+                }
+            },
+        },
+    }
+
+
+def assignment_file(config: DriverConfig, env: SandboxEnvironment) -> bytes:
+    """The secrets a warm runner exports, one shell-quoted ``NAME=value`` per line."""
+    secret = runner_env(config, env).secret
+    lines = ["# stigmer sandbox assignment\n"]  # never empty: the runner waits for a non-empty file
+    lines += [f"{k}={shlex.quote(v)}\n" for k, v in secret.items()]
+    return "".join(lines).encode("utf-8")
+
+
+def assignment_command(size: int) -> list[str]:
+    """Read exactly ``size`` bytes of stdin into the assignment file (0600), atomically."""
+    return [
+        "/bin/sh",
+        "-c",
+        f'umask 077; head -c "$1" > {ASSIGNMENT_FILE}.tmp && mv {ASSIGNMENT_FILE}.tmp {ASSIGNMENT_FILE}',
+        "assign",
+        str(size),
+    ]
