@@ -162,6 +162,10 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
     def core(self) -> Any:
         return self._core
 
+    @property
+    def api_client(self) -> Any:
+        return self._api_client
+
     async def call(self, action: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await self._call(action, fn, *args, **kwargs)
 

@@ -22,6 +22,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Final
 
+from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 from kubernetes.stream import stream
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -90,6 +91,9 @@ class WarmPool:
         self._applied = False
         self._apply_lock = asyncio.Lock()
         self.metrics = WarmPoolMetrics()
+        #: Claims by launch type, and misses, since start (the bench's figures; metrics carry the same).
+        self.launches: dict[str, int] = {}
+        self.missed = 0
 
     def bind_metrics(self, registry: CollectorRegistry) -> None:
         self.metrics = WarmPoolMetrics(registry)
@@ -209,10 +213,12 @@ class WarmPool:
             return None
         launch = str(((sandbox.get("metadata") or {}).get("labels") or {}).get(LAUNCH_TYPE_LABEL) or "cold")
         self.metrics.time_to_sandbox.labels(launch).observe(time.monotonic() - started)
+        self.launches[launch] = self.launches.get(launch, 0) + 1
         return launch
 
     async def _miss(self, base: str, reason: str) -> None:
         self.metrics.misses.labels(reason).inc()
+        self.missed += 1
         await self.delete_claim(base)
         return None
 
@@ -233,8 +239,18 @@ class WarmPool:
         data = assignment_file(d.config, env)
 
         def run() -> int | None:
+            # kubernetes.stream swaps the ApiClient's request method for the call's duration, so an
+            # exec on the shared client would send concurrent REST calls over websockets: a client
+            # of its own per exec.
+            exec_client: Any = k8s.ApiClient(d.api_client.configuration)
+            try:
+                return _exec(k8s.CoreV1Api(exec_client))
+            finally:
+                exec_client.close()
+
+        def _exec(core: Any) -> int | None:
             resp: Any = stream(
-                d.core.connect_get_namespaced_pod_exec,
+                core.connect_get_namespaced_pod_exec,
                 pod,
                 d.config.kubernetes_namespace,
                 container=CONTAINER_NAME,

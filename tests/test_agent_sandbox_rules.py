@@ -228,3 +228,65 @@ def test_the_wake_is_one_json_patch_of_add_ops_with_this_servers_template() -> N
     ]
     assert patch[0]["value"] == "Running"
     assert patch[1]["value"] == sandbox_manifest(CONFIG, "session", "ses_1", ENV)["spec"]["podTemplate"]
+
+
+# --------------------------------------------------------------------------- warm pools (no upstream test)
+
+
+def test_the_warm_template_holds_no_secret_and_no_per_sandbox_value() -> None:
+    import json
+
+    from drivers.agent_sandbox_warm import pool_manifest, pool_name, template_manifest
+
+    template = template_manifest(CONFIG)
+    text = json.dumps(template)
+    for secret in ("sk-ant-secret", "temporal-key", "tok.en.value"):
+        assert secret not in text
+    (container,) = template["spec"]["podTemplate"]["spec"]["containers"]
+    names = {e["name"] for e in container["env"]}
+    assert "STIGMER_TASK_QUEUE" not in names and "STIGMER_TOKEN" not in names
+    assert {"MODE", "STIGMER_BACKEND_ENDPOINT", "TEMPORAL_SERVICE_ADDRESS", "RUNNER_LOG_LEVEL"} <= names
+    volumes = {v["name"]: v for v in template["spec"]["podTemplate"]["spec"]["volumes"]}
+    assert volumes["assignment"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["podinfo"]["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == "metadata.annotations"
+    assert pool_manifest(CONFIG, 4)["spec"] == {
+        "replicas": 4,
+        "sandboxTemplateRef": {"name": pool_name(CONFIG)},
+    }
+    other = DriverConfig(**{**CONFIG.__dict__, "runner_image": "ghcr.io/stigmer/runner:next"})
+    assert pool_name(other) != pool_name(CONFIG)  # a new runner template is a new pool
+
+
+def test_a_claim_carries_the_queue_as_an_annotation_and_no_secret() -> None:
+    from drivers.agent_sandbox_warm import claim_manifest, pool_name
+
+    claim = claim_manifest(CONFIG, "workflow", "wfx_1", SandboxEnvironment("wfexec:wfx_1", "tok.en.value"))
+    assert claim["metadata"]["name"] == sandbox_base_name("workflow", "wfx_1")
+    assert claim["metadata"]["labels"]["stigmer.ai/sandbox-id"] == "wfx_1"
+    assert claim["spec"]["warmPoolRef"] == {"name": pool_name(CONFIG)}
+    assert claim["spec"]["additionalPodMetadata"]["annotations"]["stigmer.ai/task-queue"] == "wfexec:wfx_1"
+    assert "env" not in claim["spec"]  # a claim with env is always cold-started
+    assert "tok.en.value" not in str(claim)
+
+
+def test_the_assignment_file_round_trips_awkward_values_through_a_real_shell(tmp_path: Any) -> None:
+    import subprocess
+
+    from drivers.agent_sandbox_warm import assignment_file
+
+    awkward = 'a\'b "c" $HOME `x` \\ end'
+    config = DriverConfig(**{**CONFIG.__dict__, "runner_secret_env": {"ANTHROPIC_API_KEY": awkward}})
+    path = tmp_path / "assignment.env"
+    path.write_bytes(assignment_file(config, SandboxEnvironment("q", "tok.en.value")))
+    out = subprocess.run(
+        [
+            "/bin/busybox",
+            "sh",
+            "-c",
+            f'set -a; . {path}; printf "%s|%s" "$ANTHROPIC_API_KEY" "$STIGMER_TOKEN"',
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out == f"{awkward}|tok.en.value"

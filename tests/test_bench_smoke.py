@@ -88,7 +88,7 @@ def test_bench_tiny_run_writes_every_figure(
 
 
 @pytest.mark.kubernetes
-@pytest.mark.timeout(480)  # three bursts, a private node's start and stop
+@pytest.mark.timeout(600)  # five bursts, a private node and controller's start and stop
 def test_bench_tiny_burst_measures_time_to_sandbox_for_every_driver(
     kafka_bootstrap: str, dockerd: Dockerd, docker_image: str, tmp_path: Path
 ) -> None:
@@ -101,7 +101,7 @@ def test_bench_tiny_burst_measures_time_to_sandbox_for_every_driver(
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=420, check=False,
+        capture_output=True, text=True, timeout=540, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "7. burst of 40 creates" in proc.stdout, proc.stdout[-3000:]
@@ -118,3 +118,11 @@ def test_bench_tiny_burst_measures_time_to_sandbox_for_every_driver(
     assert k8s["n"] == 3 and k8s["docker_same_n"]["n"] == 3 and k8s["cluster"] == "single-node cluster"
     _positive(k8s, "running_p50_ms", "running_p99_ms", "all_running_seconds", "time_to_sandbox_p99_ms")
     assert "kubernetes driver (single-node cluster): create -> runner pod Running" in proc.stdout
+    # agent-sandbox on the same cluster: a Sandbox each, then claims on a warm pool of 3
+    assert "agent_sandbox_error" not in k8s, k8s["agent_sandbox_error"]
+    cold, warm = k8s["agent_sandbox_cold"], k8s["agent_sandbox_warm"]
+    assert cold["n"] == warm["n"] == 3
+    _positive(cold, "running_p50_ms", "running_p99_ms", "time_to_sandbox_p50_ms")
+    _positive(warm, "time_to_sandbox_p50_ms", "time_to_sandbox_p99_ms", "pool_fill_seconds", "pool_refill_seconds")
+    assert sum(warm["launches"].values()) == 3 and warm["adoption_misses"] == 0, warm
+    assert "agent-sandbox warm (claims on a full pool)" in proc.stdout

@@ -92,18 +92,24 @@ def running_runner_pod(core: Any, namespace: str, sandbox_id: str) -> Any:
 
 
 def pod_exec(core: Any, namespace: str, pod: str, command: list[str]) -> str:
-    out: str = stream(
-        core.connect_get_namespaced_pod_exec,
-        pod,
-        namespace,
-        container="runner",
-        command=command,
-        stderr=True,
-        stdin=False,
-        stdout=True,
-        tty=False,
-    )
-    return out
+    """``exec`` in the runner container, on a client of its own: ``kubernetes.stream`` swaps the
+    client's request method for the call, which would break concurrent REST calls on a shared one."""
+    own = client.ApiClient(core.api_client.configuration)
+    try:
+        out: str = stream(
+            client.CoreV1Api(own).connect_get_namespaced_pod_exec,
+            pod,
+            namespace,
+            container="runner",
+            command=command,
+            stderr=True,
+            stdin=False,
+            stdout=True,
+            tty=False,
+        )
+        return out
+    finally:
+        own.close()
 
 
 def env_inside(core: Any, namespace: str, pod: str) -> dict[str, str]:

@@ -38,12 +38,13 @@ RUNNING_TIMEOUT_S = 600.0
 
 
 @contextlib.asynccontextmanager
-async def kube_cluster(args: Any) -> AsyncIterator[tuple[str, str, str]]:
-    """``(kubeconfig, runner image, description)``: ``--kubeconfig`` as given, or a private node."""
+async def kube_cluster(args: Any) -> AsyncIterator[tuple[str, str, str, Any]]:
+    """``(kubeconfig, runner image, description, harness node or None)``: ``--kubeconfig`` as given
+    (agent-sandbox must then be installed there), or a private node."""
     if args.kubeconfig:
         if not args.runner_image:
             raise RuntimeError("--kubeconfig needs --runner-image (an image the cluster can run)")
-        yield args.kubeconfig, args.runner_image, "given cluster"
+        yield args.kubeconfig, args.runner_image, "given cluster", None
         return
     try:
         from harness.kube_node import RUNNER_IMAGE, KubeNode
@@ -56,9 +57,27 @@ async def kube_cluster(args: Any) -> AsyncIterator[tuple[str, str, str]]:
     node = KubeNode()
     await loop.run_in_executor(None, node.start)
     try:
-        yield str(node.kubeconfig_path), RUNNER_IMAGE, "single-node cluster"
+        yield str(node.kubeconfig_path), RUNNER_IMAGE, "single-node cluster", node
     finally:
         await loop.run_in_executor(None, node.stop)
+
+
+@contextlib.asynccontextmanager
+async def agent_sandbox_controller(node: Any) -> AsyncIterator[None]:
+    """The agent-sandbox controller on the private node (a given cluster must have it installed)."""
+    if node is None:
+        yield
+        return
+    from harness.agent_sandbox import AgentSandboxController, build
+
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, build)
+    controller = AgentSandboxController(node)
+    await loop.run_in_executor(None, controller.start)
+    try:
+        yield
+    finally:
+        await loop.run_in_executor(None, controller.stop)
 
 
 class RunningWatch:
@@ -102,36 +121,91 @@ class RunningWatch:
                 stream.stop()
 
 
+PodBurst = Callable[..., Awaitable[dict[str, Any]]]
+MakeEnv = Callable[[str], dict[str, str]]
+
+
 async def kubernetes_burst(
-    args: Any,
+    args: Any, make_env: MakeEnv, show: bool, n: int, pod_burst: PodBurst
+) -> dict[str, Any]:
+    """The kubernetes burst, then agent-sandbox cold and warm, on one cluster in one run."""
+    from drivers.agent_sandbox_driver import new_agent_sandbox_provisioner
+    from drivers.kubernetes_driver import new_kubernetes_provisioner
+
+    async with kube_cluster(args) as (kubeconfig, image, cluster, node):
+        out = await _running_burst(
+            kubeconfig,
+            image,
+            make_env("k8s"),
+            show,
+            n,
+            pod_burst,
+            new_kubernetes_provisioner,
+            "kubernetes",
+            {},
+        )
+        out["cluster"] = cluster
+        if args.burst_agent_sandbox:
+            try:
+                async with agent_sandbox_controller(node):
+                    out["agent_sandbox_cold"] = await _running_burst(
+                        kubeconfig, image, make_env("as-cold"), show, n, pod_burst,
+                        new_agent_sandbox_provisioner, "agent-sandbox cold", {},
+                    )  # fmt: skip
+                    out["agent_sandbox_warm"] = await _warm_burst(
+                        kubeconfig, image, make_env("as-warm"), show, n, pod_burst
+                    )
+            except Exception as exc:
+                logger.error("agent-sandbox burst failed", extra={"error": str(exc)})
+                out["agent_sandbox_error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+@contextlib.asynccontextmanager
+async def _namespace(kubeconfig: str) -> AsyncIterator[tuple[Any, str]]:
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    load: Any = config.load_kube_config
+    load(config_file=kubeconfig, client_configuration=cfg)
+    api: Any = client.ApiClient(cfg)
+    core: Any = client.CoreV1Api(api)
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    await asyncio.to_thread(core.create_namespace, {"metadata": {"name": namespace}})
+    try:
+        yield api, namespace
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(core.delete_namespace, namespace)
+        api.close()
+
+
+def _driver_config(kubeconfig: str, image: str, namespace: str, **options: str) -> Any:
+    from drivers.contract import DriverConfig
+
+    return DriverConfig(
+        backend_endpoint="http://127.0.0.1:7234",
+        temporal_address="127.0.0.1:7233",
+        runner_image=image,
+        kubernetes_namespace=namespace,
+        options={"kubeconfig": kubeconfig, **BENCH_RUNNER_OPTIONS, **options},
+    )
+
+
+async def _running_burst(
+    kubeconfig: str,
+    image: str,
     env: dict[str, str],
     show: bool,
     n: int,
-    pod_burst: Callable[..., Awaitable[dict[str, Any]]],
+    pod_burst: PodBurst,
+    factory: Callable[..., Any],
+    label: str,
+    options: dict[str, str],
 ) -> dict[str, Any]:
-    from kubernetes import client, config
-
-    from drivers.contract import DriverConfig
-    from drivers.kubernetes_driver import new_kubernetes_provisioner
-
-    async with kube_cluster(args) as (kubeconfig, image, cluster):
-        cfg = client.Configuration()
-        load: Any = config.load_kube_config
-        load(config_file=kubeconfig, client_configuration=cfg)
-        api: Any = client.ApiClient(cfg)
-        core: Any = client.CoreV1Api(api)
-        namespace = f"bench-{uuid.uuid4().hex[:8]}"
-        await asyncio.to_thread(core.create_namespace, {"metadata": {"name": namespace}})
-        provisioner = new_kubernetes_provisioner(
-            DriverConfig(
-                backend_endpoint="http://127.0.0.1:7234",
-                temporal_address="127.0.0.1:7233",
-                runner_image=image,
-                kubernetes_namespace=namespace,
-                options={"kubeconfig": kubeconfig, **BENCH_RUNNER_OPTIONS},
-            ),
-            logger,
-        )
+    """N creates through the pod; each runner's time to its pod's first Running (a namespace watch)."""
+    async with _namespace(kubeconfig) as (api, namespace):
+        provisioner = factory(_driver_config(kubeconfig, image, namespace, **options), logger)
         running_ms: list[float] = []
         all_running_s = 0.0
         try:
@@ -141,7 +215,7 @@ async def kubernetes_burst(
                     nonlocal all_running_s
                     deadline = time.monotonic() + RUNNING_TIMEOUT_S
                     shown = 0
-                    with progress("kubernetes burst: runner pods Running", n, enabled=show) as bar:
+                    with progress(f"{label} burst: runner pods Running", n, enabled=show) as bar:
                         while (done := sum(1 for i in ids if i in watch.running)) < n:
                             if time.monotonic() > deadline:
                                 raise TimeoutError(
@@ -155,17 +229,71 @@ async def kubernetes_burst(
                     all_running_s = max(watch.running[i] for i in ids) - min(sent.values())
 
                 result = await pod_burst(
-                    env, provisioner, n, show, f"kubernetes burst of {n}", 900, after_provision=until_running
+                    env, provisioner, n, show, f"{label} burst of {n}", 900, after_provision=until_running
                 )
         finally:
             await provisioner.close()
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(core.delete_namespace, namespace)
-            api.close()
     result.update(
-        cluster=cluster,
         running_p50_ms=pct(running_ms, 50),
         running_p99_ms=pct(running_ms, 99),
         all_running_seconds=all_running_s,
+    )
+    return result
+
+
+async def _warm_burst(
+    kubeconfig: str, image: str, env: dict[str, str], show: bool, n: int, pod_burst: PodBurst
+) -> dict[str, Any]:
+    """A pool of N, filled; N creates through the pod claim from it (time to SandboxProvisioned
+    committed = claim Ready + the secrets delivered); then how fast the pool refills."""
+    from drivers.agent_sandbox_driver import new_agent_sandbox_provisioner
+
+    async with _namespace(kubeconfig) as (_api, namespace):
+        provisioner = new_agent_sandbox_provisioner(
+            _driver_config(kubeconfig, image, namespace, warm_pool_size=str(n)), logger
+        )
+        warm = provisioner.warm
+        assert warm is not None
+        refill: dict[str, float] = {}
+
+        async def until_full(timeout_s: float = RUNNING_TIMEOUT_S) -> float:
+            started = time.monotonic()
+            while await warm.ready_replicas() < n:
+                if time.monotonic() - started > timeout_s:
+                    raise TimeoutError(f"the warm pool did not reach {n} ready in {timeout_s:.0f}s")
+                await asyncio.sleep(0.1)
+            return time.monotonic() - started
+
+        refilling: asyncio.Task[float] | None = None
+        try:
+            await warm.prepare()
+            fill_s = await until_full()
+
+            async def start_refill_clock(_ids: list[str], _sent: dict[str, float]) -> None:
+                nonlocal refilling
+                refill["from"] = time.monotonic()
+                refilling = asyncio.create_task(until_full())
+
+            result = await pod_burst(
+                env,
+                provisioner,
+                n,
+                show,
+                f"agent-sandbox warm burst of {n}",
+                900,
+                after_provision=start_refill_clock,
+            )
+            assert refilling is not None
+            refill_s = await refilling
+        finally:
+            if refilling is not None and not refilling.done():
+                refilling.cancel()
+            await provisioner.close()
+    result.update(
+        pool_fill_seconds=fill_s,
+        pool_refill_seconds=refill_s,
+        pool_refill_per_s=n / refill_s if refill_s else 0.0,
+        launches=dict(warm.launches),
+        adoption_misses=warm.missed,
     )
     return result

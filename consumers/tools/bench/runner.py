@@ -80,6 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kubeconfig", help="run the kubernetes burst on this cluster instead of a private single-node one"
     )
     parser.add_argument(
+        "--no-burst-agent-sandbox",
+        dest="burst_agent_sandbox",
+        action="store_false",
+        help="skip the agent-sandbox cold and warm bursts after the kubernetes one",
+    )
+    parser.add_argument(
         "--runner-image", default="", help="runner image for --kubeconfig (must run the runner contract)"
     )
     parser.add_argument("--docker-host", help="use this engine (unix://...) instead of a private dockerd")
