@@ -52,8 +52,10 @@ async def _pod_burst(
     label: str,
     timeout_s: float,
     after_provision: AfterProvision | None = None,
+    one_at_a_time: bool = False,
 ) -> dict[str, Any]:
-    """One burst of N creates then N terminal changes through a running pod.
+    """One burst of N creates then N terminal changes through a running pod (``one_at_a_time``:
+    each create sent once the previous one's outcome is committed, the uncontended latency).
 
     ``after_provision(ids, sent)`` runs between the two, with each create's send time
     (``time.perf_counter``): a driver that returns before its sandbox runs measures that there.
@@ -90,17 +92,19 @@ async def _pod_burst(
             mine = seen[kind]
             sent.clear()
             started = time.perf_counter()
-            for execution_id in ids:
+            deadline = time.monotonic() + timeout_s
+
+            async def send(execution_id: str) -> None:
                 rec = encode(make(execution_id))
                 sent[execution_id] = time.perf_counter()
                 await producer.send(topic, rec.value, key=rec.key, headers=rec.headers)
-            await producer.flush()
-            deadline = time.monotonic() + timeout_s
-            with progress(f"{label}: {kind.__name__}", n, enabled=show) as bar:
-                while len(mine) < n:
+                await producer.flush()
+
+            async def collect(bar: Any, until: int) -> None:
+                while len(mine) < until:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"{label}: {len(mine)}/{n} {kind.__name__} in {timeout_s:.0f}s")
-                    batches = await consumer.getmany(timeout_ms=200)
+                    batches = await consumer.getmany(timeout_ms=20 if one_at_a_time else 200)
                     now = time.perf_counter()
                     for records in batches.values():
                         for rec in records:
@@ -113,6 +117,19 @@ async def _pod_burst(
                                 failed.append(f"{outcome_of}: {message.reason}")
                                 if len(failed) >= 5:
                                     raise RuntimeError(f"{label}: driver calls failed: {failed}")
+
+            with progress(f"{label}: {kind.__name__}", n, enabled=show) as bar:
+                if one_at_a_time:
+                    for i, execution_id in enumerate(ids):
+                        await send(execution_id)
+                        await collect(bar, i + 1)
+                else:
+                    for execution_id in ids:
+                        rec = encode(make(execution_id))
+                        sent[execution_id] = time.perf_counter()
+                        await producer.send(topic, rec.value, key=rec.key, headers=rec.headers)
+                    await producer.flush()
+                    await collect(bar, n)
             total = max(mine.values()) - started
             return total, [(mine[e] - sent[e]) * 1000 for e in ids]
 
@@ -398,14 +415,21 @@ def _kubernetes_rows(k8s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         )
     warm = k8s.get("agent_sandbox_warm")
     if warm:
-        ok = warm["time_to_sandbox_p50_ms"] < WARM_P50_GOAL_MS
+        ok = warm["sequential_p50_ms"] < WARM_P50_GOAL_MS
         rows += [
             (
-                "   agent-sandbox warm (claims on a full pool): event in -> SandboxProvisioned committed "
-                "p50 / p99, ms",
+                f"   agent-sandbox warm, {warm['sequential_n']} creates one at a time on a full pool: "
+                "event in -> SandboxProvisioned committed p50 / p99, ms",
+                f"{warm['sequential_p50_ms']:,.0f} / {warm['sequential_p99_ms']:,.0f}",
+                "claim Ready + secrets delivered, through the pod",
+                f"p50 < {WARM_P50_GOAL_MS:.0f} {'met' if ok else 'MISSED'}",
+            ),
+            (
+                f"   agent-sandbox warm, burst of {warm['n']} on a pool of {warm['n']}: "
+                "SandboxProvisioned committed p50 / p99, ms",
                 f"{warm['time_to_sandbox_p50_ms']:,.0f} / {warm['time_to_sandbox_p99_ms']:,.0f}",
                 f"launches {warm['launches']}, {warm['adoption_misses']} misses",
-                f"p50 < {WARM_P50_GOAL_MS:.0f} {'met' if ok else 'MISSED'}",
+                "",
             ),
             (
                 "   warm pool: fill from 0, s; refill after the burst, s (sandboxes/s)",

@@ -153,7 +153,7 @@ async def kubernetes_burst(
                         new_agent_sandbox_provisioner, "agent-sandbox cold", {},
                     )  # fmt: skip
                     out["agent_sandbox_warm"] = await _warm_burst(
-                        kubeconfig, image, make_env("as-warm"), show, n, pod_burst
+                        kubeconfig, image, make_env("as-warm"), make_env("as-warm-seq"), show, n, pod_burst
                     )
             except Exception as exc:
                 logger.error("agent-sandbox burst failed", extra={"error": str(exc)})
@@ -241,11 +241,22 @@ async def _running_burst(
     return result
 
 
+#: Creates sent one at a time on a full pool after the burst: the uncontended warm latency.
+SEQUENTIAL_WARM = 10
+
+
 async def _warm_burst(
-    kubeconfig: str, image: str, env: dict[str, str], show: bool, n: int, pod_burst: PodBurst
+    kubeconfig: str,
+    image: str,
+    env: dict[str, str],
+    sequential_env: dict[str, str],
+    show: bool,
+    n: int,
+    pod_burst: PodBurst,
 ) -> dict[str, Any]:
     """A pool of N, filled; N creates through the pod claim from it (time to SandboxProvisioned
-    committed = claim Ready + the secrets delivered); then how fast the pool refills."""
+    committed = claim Ready + the secrets delivered); how fast the pool refills; then creates one
+    at a time on the refilled pool (what a single user waits)."""
     from drivers.agent_sandbox_driver import new_agent_sandbox_provisioner
 
     async with _namespace(kubeconfig) as (_api, namespace):
@@ -285,6 +296,15 @@ async def _warm_burst(
             )
             assert refilling is not None
             refill_s = await refilling
+            one_by_one = await pod_burst(
+                sequential_env,
+                provisioner,
+                min(SEQUENTIAL_WARM, n),
+                show,
+                "agent-sandbox warm, one at a time",
+                300,
+                one_at_a_time=True,
+            )
         finally:
             if refilling is not None and not refilling.done():
                 refilling.cancel()
@@ -293,6 +313,9 @@ async def _warm_burst(
         pool_fill_seconds=fill_s,
         pool_refill_seconds=refill_s,
         pool_refill_per_s=n / refill_s if refill_s else 0.0,
+        sequential_n=one_by_one["n"],
+        sequential_p50_ms=one_by_one["time_to_sandbox_p50_ms"],
+        sequential_p99_ms=one_by_one["time_to_sandbox_p99_ms"],
         launches=dict(warm.launches),
         adoption_misses=warm.missed,
     )
