@@ -53,6 +53,7 @@ async def _pod_burst(
     timeout_s: float,
     after_provision: AfterProvision | None = None,
     one_at_a_time: bool = False,
+    before_each: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, Any]:
     """One burst of N creates then N terminal changes through a running pod (``one_at_a_time``:
     each create sent once the previous one's outcome is committed, the uncontended latency).
@@ -121,6 +122,8 @@ async def _pod_burst(
             with progress(f"{label}: {kind.__name__}", n, enabled=show) as bar:
                 if one_at_a_time:
                     for i, execution_id in enumerate(ids):
+                        if before_each is not None and kind is outcomes_pb2.SandboxProvisioned:
+                            await before_each()
                         await send(execution_id)
                         await collect(bar, i + 1)
                 else:

@@ -257,9 +257,11 @@ async def _warm_burst(
     """A pool of N, filled; N creates through the pod claim from it (time to SandboxProvisioned
     committed = claim Ready + the secrets delivered); how fast the pool refills; then creates one
     at a time on the refilled pool (what a single user waits)."""
+    from kubernetes import client
+
     from drivers.agent_sandbox_driver import new_agent_sandbox_provisioner
 
-    async with _namespace(kubeconfig) as (_api, namespace):
+    async with _namespace(kubeconfig) as (api, namespace):
         provisioner = new_agent_sandbox_provisioner(
             _driver_config(kubeconfig, image, namespace, warm_pool_size=str(n)), logger
         )
@@ -296,14 +298,27 @@ async def _warm_burst(
             )
             assert refilling is not None
             refill_s = await refilling
+            core: Any = client.CoreV1Api(api)
+
+            def settled() -> bool:
+                """No pod of the burst still terminating: what a single user meets on a quiet node."""
+                pods = core.list_namespaced_pod(namespace).items
+                return not any(pod.metadata.deletion_timestamp for pod in pods)
+
+            async def quiet_and_full() -> None:
+                await until_full()
+                while not await asyncio.to_thread(settled):
+                    await asyncio.sleep(0.2)
+
             one_by_one = await pod_burst(
                 sequential_env,
                 provisioner,
                 min(SEQUENTIAL_WARM, n),
                 show,
                 "agent-sandbox warm, one at a time",
-                300,
+                600,
                 one_at_a_time=True,
+                before_each=quiet_and_full,
             )
         finally:
             if refilling is not None and not refilling.done():
