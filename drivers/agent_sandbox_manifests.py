@@ -15,7 +15,6 @@ sandbox, named ``sandbox_base_name``, plus its Secret ``<base>-env`` owned by it
 
 from __future__ import annotations
 
-import base64
 from typing import Any, Final
 
 from drivers.contract import DriverConfig, SandboxEnvironment, SandboxScope
@@ -27,8 +26,7 @@ from drivers.kubernetes_manifests import (
     WORKSPACE_DIR,
     WORKSPACE_VOLUME,
     container_env,
-    runner_env,
-    secret_name,
+    secret_manifest,
 )
 from drivers.naming import sandbox_base_name, sandbox_labels
 
@@ -51,18 +49,17 @@ def workspace_claim_name(base: str) -> str:
     return f"{WORKSPACE_VOLUME}-{base}"
 
 
-def pod_template(
-    config: DriverConfig, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+def runner_container(
+    config: DriverConfig, command: list[str], env: list[dict[str, Any]], mounts: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """``spec.podTemplate``: what the ensure's wake patch writes again (this server's template)."""
-    base = sandbox_base_name(scope, sandbox_id)
+    """The runner container of both the cold Sandbox and the warm pool's template."""
     opts = {k: config.options.get(k) or default for k, default in DEFAULT_RESOURCES.items()}
-    container: dict[str, Any] = {
+    return {
         "name": CONTAINER_NAME,
         "image": config.runner_image,
-        "command": list(RUNNER_COMMAND),
+        "command": command,
         "workingDir": WORKSPACE_DIR,
-        "env": container_env(config, base, env, optional_refs=True),
+        "env": env,
         "resources": {
             "requests": {"cpu": opts["cpu_request"], "memory": opts["memory_request"]},
             "limits": {"cpu": opts["cpu_limit"], "memory": opts["memory_limit"]},
@@ -74,8 +71,21 @@ def pod_template(
             "runAsGroup": 0,
         },
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": [{"name": WORKSPACE_VOLUME, "mountPath": WORKSPACE_DIR}],
+        "volumeMounts": mounts,
     }
+
+
+def pod_template(
+    config: DriverConfig, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+) -> dict[str, Any]:
+    """``spec.podTemplate``: what the ensure's wake patch writes again (this server's template)."""
+    base = sandbox_base_name(scope, sandbox_id)
+    container = runner_container(
+        config,
+        list(RUNNER_COMMAND),
+        container_env(config, base, env, optional_refs=True),
+        [{"name": WORKSPACE_VOLUME, "mountPath": WORKSPACE_DIR}],
+    )
     spec: dict[str, Any] = {
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "automountServiceAccountToken": False,
@@ -118,28 +128,15 @@ def sandbox_manifest(
 def owned_secret_manifest(
     config: DriverConfig, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment, owner_uid: str
 ) -> dict[str, Any]:
-    """Secret ``<base>-env`` (always written, empty when token-less), owned by the Sandbox.
-
-    The owner reference makes the garbage collector delete the Secret with its Sandbox; it has
-    no ``blockOwnerDeletion`` (upstream), so a foreground delete never waits on it.
-    """
+    """The kubernetes tier's Secret ``<base>-env`` (always written, empty when token-less), owned by
+    the Sandbox: the garbage collector deletes it with its Sandbox. No ``blockOwnerDeletion``
+    (upstream), so a foreground delete never waits on it."""
+    secret = secret_manifest(config, scope, sandbox_id, env)
     base = sandbox_base_name(scope, sandbox_id)
-    data = {
-        k: base64.b64encode(v.encode("utf-8")).decode("ascii")
-        for k, v in runner_env(config, env).secret.items()
-    }
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": secret_name(base),
-            "namespace": config.kubernetes_namespace,
-            "labels": sandbox_labels(scope, sandbox_id),
-            "ownerReferences": [{"apiVersion": API_VERSION, "kind": KIND, "name": base, "uid": owner_uid}],
-        },
-        "type": "Opaque",
-        "data": data,
-    }
+    secret["metadata"]["ownerReferences"] = [
+        {"apiVersion": API_VERSION, "kind": KIND, "name": base, "uid": owner_uid}
+    ]
+    return secret
 
 
 def wake_patch(

@@ -27,11 +27,9 @@ import json
 import shlex
 from typing import Any, Final
 
-from drivers.agent_sandbox_manifests import ADDED_CAPABILITIES
+from drivers.agent_sandbox_manifests import runner_container
 from drivers.contract import DriverConfig, SandboxEnvironment, SandboxScope
 from drivers.kubernetes_manifests import (
-    CONTAINER_NAME,
-    DEFAULT_RESOURCES,
     PLAIN_ORDER,
     TERMINATION_GRACE_SECONDS,
     WORKSPACE_DIR,
@@ -76,30 +74,16 @@ def warm_pod_template(config: DriverConfig) -> dict[str, Any]:
     contract = runner_env(config, SandboxEnvironment(task_queue=""))
     owned = [k for k in PLAIN_ORDER if k in contract.plain and k not in _PER_SANDBOX_PLAIN]
     operator = [k for k in contract.plain if k not in PLAIN_ORDER]
-    opts = {k: config.options.get(k) or default for k, default in DEFAULT_RESOURCES.items()}
-    container: dict[str, Any] = {
-        "name": CONTAINER_NAME,
-        "image": config.runner_image,
-        "command": ["/bin/sh", "-c", WARM_RUNNER_SCRIPT],
-        "workingDir": WORKSPACE_DIR,
-        "env": [{"name": k, "value": contract.plain[k]} for k in (*owned, *operator)],
-        "resources": {
-            "requests": {"cpu": opts["cpu_request"], "memory": opts["memory_request"]},
-            "limits": {"cpu": opts["cpu_limit"], "memory": opts["memory_limit"]},
-        },
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"], "add": list(ADDED_CAPABILITIES)},
-            "runAsUser": 0,
-            "runAsGroup": 0,
-        },
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": [
+    container = runner_container(
+        config,
+        ["/bin/sh", "-c", WARM_RUNNER_SCRIPT],
+        [{"name": k, "value": contract.plain[k]} for k in (*owned, *operator)],
+        [
             {"name": WORKSPACE_VOLUME, "mountPath": WORKSPACE_DIR},
             {"name": "assignment", "mountPath": ASSIGNMENT_DIR},
             {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True},
         ],
-    }
+    )
     return {
         "metadata": {"labels": {LABEL_MANAGED_BY: MANAGED_BY_VALUE}},
         "spec": {
