@@ -56,9 +56,11 @@ ASSIGNMENT_FILE: Final = f"{ASSIGNMENT_DIR}/assignment.env"
 #: Plain values that are the same for every sandbox: baked into the warm template's env.
 _PER_SANDBOX_PLAIN: Final = frozenset({"STIGMER_TASK_QUEUE"})
 
-#: Waits with shell builtins only (no fork) until the secrets arrive, so an idle pool costs little;
+#: Waits with shell builtins only until the secrets arrive, so an idle pool costs little; exits on TERM;
 #: then reads the queue annotation (the downward-API file lags the claim by up to about a second).
 WARM_RUNNER_SCRIPT: Final = (
+    # PID 1 ignores a signal it does not trap: without this a pool pod waits out its whole grace.
+    "trap 'exit 0' TERM INT; "
     f"a={ASSIGNMENT_FILE}; p={PODINFO_DIR}/annotations; "
     'until [ -s "$a" ]; do sleep 0.05; done; '
     "q=; while :; do "
