@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Protocol
 
+import urllib3
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
@@ -209,6 +210,9 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
                 field_manager=FIELD_MANAGER,
                 _request_timeout=self._timeout,
             )
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            message = self._redact(f"{type(exc).__name__}: {exc}", env)
+            raise SandboxError(f"{DRIVER_NAME} create Sandbox {self._ns}/{name} failed: {message}") from None
         except ApiException as exc:
             if exc.status == 409:
                 return None
@@ -274,6 +278,8 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
                 obj = await self._create(sandbox_manifest(self._config, scope, sandbox_id, env), env)
                 if obj is None:  # another server's ensure created it first: take its arm
                     obj = await self._wait_out_deletion(base)
+                    if obj is None:  # ... or it was already on its way out: create ours
+                        obj = await self._create(sandbox_manifest(self._config, scope, sandbox_id, env), env)
                     if obj is None:
                         where = f"{self._ns}/{base}"
                         raise SandboxError(
@@ -308,8 +314,17 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         new claim adopted a pool sandbox, or the controller cold-started it); ``None``: go cold."""
         assert self.warm is not None
         base = sandbox_base_name(scope, sandbox_id)
-        if await self.warm.claimed_sandbox(base) is not None:
-            return "claimed"
+        claimed = await self.warm.claimed_sandbox(base)
+        if claimed is not None:
+            try:
+                await self.warm.reassign(str(claimed["metadata"]["name"]), env)
+                return "claimed"
+            except SandboxError as exc:
+                self._logger.warning(
+                    "agent-sandbox claimed sandbox would not take its secrets; replacing it",
+                    extra={"sandbox": base, "error": str(exc)},
+                )
+                await self.warm._miss(base, "reassign failed")
         launch = await self.warm.try_adopt(scope, sandbox_id, env)
         if launch is None:
             return None
@@ -443,14 +458,17 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
                 extra={"sandbox": view.name, "sessionId": session_id},
             )
             return False
-        if not session_id:
-            activity: SessionActivity | None = SessionActivity(busy=False, last_active_at=None, executions=0)
-        else:
-            activity = sessions.activity(session_id)
-            if activity is None:
-                return False  # another pod owns the session's partition: it judges
-        assert activity is not None
         async with self._lock(view.name):
+            # Judged under the lock, right before the patch: a rebalance may have moved the session.
+            if not session_id:
+                activity: SessionActivity | None = SessionActivity(
+                    busy=False, last_active_at=None, executions=0
+                )
+            else:
+                activity = sessions.activity(session_id)
+                if activity is None:
+                    return False  # another pod owns the session's partition: it judges
+            assert activity is not None
             fresh = await self.read_sandbox(view.name)  # a full re-read before suspending
             if fresh is None:
                 return False

@@ -23,7 +23,6 @@ import time
 from typing import TYPE_CHECKING, Any, Final
 
 from kubernetes import client as k8s
-from kubernetes.client.exceptions import ApiException
 from kubernetes.stream import stream
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -51,6 +50,8 @@ if TYPE_CHECKING:
     from drivers.agent_sandbox_driver import AgentSandboxProvisioner
 
 DEFAULT_ADOPT_TIMEOUT_S: Final = 10.0
+#: How long a missed claim may take to go (a foreground delete: its cold-made Sandbox and pod first).
+GONE_TIMEOUT_S: Final = 60.0
 POLL_S: Final = 0.02
 
 
@@ -183,9 +184,9 @@ class WarmPool:
         (an adoption miss: the claim is gone again and the caller makes a cold Sandbox)."""
         d = self._driver
         base = sandbox_base_name(scope, sandbox_id)
-        await self.prepare()
         started = time.monotonic()
         try:
+            await self.prepare()  # no extensions API or no RBAC for it: a miss, the cold path still works
             await d.call(
                 f"create SandboxClaim {d.config.kubernetes_namespace}/{base}",
                 d.custom.create_namespaced_custom_object,
@@ -217,18 +218,33 @@ class WarmPool:
         return launch
 
     async def _miss(self, base: str, reason: str) -> None:
+        """Count the miss and delete the claim, waiting until it is gone: the controller may have
+        cold-created a Sandbox named ``base`` for it, which the caller's own create would meet."""
         self.metrics.misses.labels(reason).inc()
         self.missed += 1
         await self.delete_claim(base)
-        return None
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while await self.read_claim(base) is not None:
+            if time.monotonic() > deadline:
+                raise SandboxError(
+                    f"agent-sandbox SandboxClaim {base} still there {GONE_TIMEOUT_S:.0f}s after a miss"
+                )
+            await asyncio.sleep(0.2)
+
+    async def reassign(self, name: str, env: SandboxEnvironment) -> None:
+        """A live claim's pod gets its secrets again (a fresh token, as upstream's Running arm
+        rewrites the Secret): an earlier delivery may have failed, or the pod been recreated."""
+        await self._assign(name, env)
 
     async def _wait_ready(self, base: str, started: float) -> dict[str, Any] | None:
+        """The claim's Sandbox once the claim is Ready; neither may be on its way out."""
         while time.monotonic() - started < self.adopt_timeout_s:
             claim = await self.read_claim(base)
-            adopted = ((claim or {}).get("status") or {}).get("sandbox", {}).get("name") if claim else None
+            alive = claim is not None and not (claim.get("metadata") or {}).get("deletionTimestamp")
+            adopted = ((claim or {}).get("status") or {}).get("sandbox", {}).get("name") if alive else None
             if claim is not None and adopted and _ready(claim):
                 sandbox = await self._driver.read_sandbox(adopted)
-                if sandbox is not None:
+                if sandbox is not None and not (sandbox.get("metadata") or {}).get("deletionTimestamp"):
                     return sandbox
             await asyncio.sleep(POLL_S)
         return None
@@ -273,7 +289,7 @@ class WarmPool:
 
         try:
             code = await asyncio.to_thread(run)
-        except (ApiException, OSError, ValueError) as exc:
+        except Exception as exc:  # websocket errors, a Failure status without causes, ...
             raise SandboxError(
                 f"agent-sandbox assignment to pod {pod} failed: {type(exc).__name__}"
             ) from None

@@ -55,7 +55,11 @@ _PAUSE_SCRIPT: Final = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!
 
 
 def _sh(cmd: list[str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    """Never raises on a hung tool: stop() must go on to the next step."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(cmd, -1, "", f"timed out after {timeout:.0f}s")
 
 
 def _cgroup_dirs(name: str) -> list[Path]:
