@@ -290,3 +290,67 @@ def test_the_assignment_file_round_trips_awkward_values_through_a_real_shell(tmp
         check=True,
     ).stdout
     assert out == f"{awkward}|tok.en.value"
+
+
+# --------------------------------------------------------------------------- session activity (the pod's state)
+
+
+class _Store:
+    """The two reads StoreSessionActivity makes of a pod's StateStore (the real one is exercised by the
+    idle-sweep test through Kafka in test_agent_sandbox_driver.py)."""
+
+    def __init__(self, states: list[Any]) -> None:
+        self._states = states
+
+    def owned(self) -> set[int]:
+        return {0}
+
+    def items(self) -> Any:
+        return iter((s.execution_id, s) for s in self._states)
+
+
+class _Pod:
+    def __init__(self, states: list[Any], partition: int | None = 0) -> None:
+        self.store = _Store(states)
+        self._partition = partition
+
+    def input_partition_of(self, key: str) -> int | None:
+        return self._partition
+
+
+def _agent_state(execution_id: str, session: str, phase: int, stamp: float) -> Any:
+    from events.sandbox_lanes.v1 import common_pb2, state_pb2
+
+    state = state_pb2.ExecutionState(
+        execution_id=execution_id,
+        kind=common_pb2.AGENT_EXECUTION,
+        session_id=session,
+        created=True,
+        phase=phase,
+    )
+    state.updated_at.FromNanoseconds(int(stamp * 1e9))
+    return state
+
+
+def test_session_activity_is_busy_while_any_execution_runs_and_idle_since_the_latest_stamp() -> None:
+    from consumers.runtime.session_activity import StoreSessionActivity
+    from events.sandbox_lanes.v1 import common_pb2
+
+    now = 1_000_000.0
+    done = common_pb2.EXECUTION_COMPLETED
+    states = [
+        _agent_state("axr_1", "ses_a", done, now - 500),
+        _agent_state("axr_2", "ses_a", done, now - 100),
+        _agent_state("axr_3", "ses_b", common_pb2.EXECUTION_IN_PROGRESS, now - 900),
+        _agent_state("axr_4", "ses_c", done, now + 59),  # within the allowance: counts as it is
+        _agent_state("axr_5", "ses_d", done, now - 300),
+        _agent_state("axr_6", "ses_d", done, now + 61),  # more than 60 s ahead: skipped
+    ]
+    reader = StoreSessionActivity(_Pod(states), wall=lambda: now)  # type: ignore[arg-type]
+    assert reader.activity("ses_a") == SessionActivity(busy=False, last_active_at=now - 100, executions=2)
+    assert reader.activity("ses_b") == SessionActivity(busy=True, last_active_at=now - 900, executions=1)
+    assert reader.activity("ses_c") == SessionActivity(busy=False, last_active_at=now + 59, executions=1)
+    assert reader.activity("ses_d") == SessionActivity(busy=False, last_active_at=now - 300, executions=2)
+    assert reader.activity("ses_none") == SessionActivity(busy=False, last_active_at=None, executions=0)
+    # A session whose partition this pod does not own is not its to judge.
+    assert StoreSessionActivity(_Pod(states, partition=7)).activity("ses_a") is None  # type: ignore[arg-type]

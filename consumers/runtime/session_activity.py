@@ -22,14 +22,20 @@ if TYPE_CHECKING:
 
 #: One index of the owned states per sweep pass, not one scan per Sandbox.
 INDEX_TTL_S = 1.0
+#: A stamp further ahead of this pod's clock is skipped (upstream's allowance, spec 4.5): a skewed
+#: producer clock must not keep a sandbox awake until that time passes.
+FUTURE_ALLOWANCE_S = 60.0
 
 
 class StoreSessionActivity:
     """``SessionActivityReader`` over ``pod.store``."""
 
-    def __init__(self, pod: Pod, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, pod: Pod, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time
+    ) -> None:
         self._pod = pod
         self._clock = clock
+        self._wall = wall
         self._built_at: float | None = None
         self._index: dict[str, SessionActivity] = {}
 
@@ -47,6 +53,7 @@ class StoreSessionActivity:
         busy: dict[str, bool] = {}
         last: dict[str, float] = {}
         count: dict[str, int] = {}
+        latest_allowed = self._wall() + FUTURE_ALLOWANCE_S
         for _key, state in self._pod.store.items():
             if state.kind != common_pb2.AGENT_EXECUTION or not state.session_id or not state.created:
                 continue
@@ -56,7 +63,8 @@ class StoreSessionActivity:
             busy[sid] = busy.get(sid, False) or active
             if state.HasField("updated_at"):
                 stamp = state.updated_at.seconds + state.updated_at.nanos / 1e9
-                last[sid] = max(last.get(sid, stamp), stamp)
+                if stamp <= latest_allowed:
+                    last[sid] = max(last.get(sid, stamp), stamp)
         return {
             sid: SessionActivity(busy=busy[sid], last_active_at=last.get(sid), executions=n)
             for sid, n in count.items()
