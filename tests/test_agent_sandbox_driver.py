@@ -33,7 +33,7 @@ from drivers.agent_sandbox_driver import (
     new_agent_sandbox_provisioner,
 )
 from drivers.agent_sandbox_manifests import GROUP, PLURAL, VERSION, workspace_claim_name
-from drivers.contract import DriverConfig, SandboxEnvironment, SandboxError
+from drivers.contract import SandboxEnvironment, SandboxError
 from drivers.kubernetes_manifests import secret_name
 from drivers.naming import sandbox_base_name
 from events.codec import new_meta
@@ -43,12 +43,14 @@ from tests.test_kubernetes_node import (
     SMALL_RUNNER,
     env_inside,
     gone,
+    node_driver_config,
     pod_exec,
     runner_pods,
     running_runner_pod,
     wait_for,
 )
 from tests.test_pod_drivers_e2e import TOKEN_KEY
+from tests.test_pod_kafka import agent_created
 from tests.test_replay import replay_cli
 
 pytestmark = pytest.mark.kubernetes
@@ -56,24 +58,11 @@ pytestmark = pytest.mark.kubernetes
 LOG = logging.getLogger("test.agent_sandbox")
 
 
-def as_config(namespace: str, kubeconfig: Path, **options: str) -> DriverConfig:
-    return DriverConfig(
-        backend_endpoint="http://127.0.0.1:7234",
-        temporal_address="127.0.0.1:7233",
-        runner_image=RUNNER_IMAGE,
-        kubernetes_namespace=namespace,
-        temporal_namespace="sandboxes",
-        runner_secret_env={"ANTHROPIC_API_KEY": "sk-ant-as-secret"},
-        temporal_connection_env={"STIGMER_TEMPORAL_API_KEY": "temporal-as-key"},
-        options={"kubeconfig": str(kubeconfig), **SMALL_RUNNER, **options},
-    )
-
-
 @pytest.fixture
 async def as_driver(
     kube_node: KubeNode, agent_sandbox: AgentSandboxController, node_namespace: str
 ) -> AsyncIterator[AgentSandboxProvisioner]:
-    p = new_agent_sandbox_provisioner(as_config(node_namespace, kube_node.kubeconfig_path), LOG)
+    p = new_agent_sandbox_provisioner(node_driver_config(node_namespace, kube_node.kubeconfig_path), LOG)
     try:
         yield p
     finally:
@@ -122,8 +111,8 @@ async def test_the_ensure_arms_on_the_real_controller_keep_the_session_workspace
     inside = env_inside(core, ns, pod.metadata.name)
     assert inside["STIGMER_TOKEN"] == "tok.first.value"
     assert inside["STIGMER_TASK_QUEUE"] == f"session:{session}"
-    assert inside["STIGMER_TEMPORAL_API_KEY"] == "temporal-as-key"
-    assert inside["ANTHROPIC_API_KEY"] == "sk-ant-as-secret"
+    assert inside["STIGMER_TEMPORAL_API_KEY"] == "temporal-node-key"
+    assert inside["ANTHROPIC_API_KEY"] == "sk-ant-node-secret"
     assert inside["STIGMER_BACKEND_ENDPOINT"] == "http://127.0.0.1:7234"
     claim = core.read_namespaced_persistent_volume_claim(workspace_claim_name(base), ns)
     pod_exec(core, ns, pod.metadata.name, ["/bin/sh", "-c", "echo kept > /workspace/marker"])
@@ -203,24 +192,15 @@ async def test_a_sandbox_being_deleted_is_waited_out_then_created_again(
 async def test_without_the_agent_sandbox_api_the_create_says_to_install_it(
     kube_apiserver: KubeApiServer, kube_namespace: str
 ) -> None:
-    driver = new_agent_sandbox_provisioner(as_config(kube_namespace, kube_apiserver.kubeconfig_path), LOG)
+    driver = new_agent_sandbox_provisioner(
+        node_driver_config(kube_namespace, kube_apiserver.kubeconfig_path), LOG
+    )
     try:
         with pytest.raises(SandboxError) as err:
             await driver.ensure("session", "ses_none", SandboxEnvironment(task_queue="session:ses_none"))
         assert NOT_INSTALLED in str(err.value)
     finally:
         await driver.close()
-
-
-def agent_execution_created(execution_id: str, session_id: str) -> inputs_pb2.ExecutionCreated:
-    return inputs_pb2.ExecutionCreated(
-        meta=new_meta(),
-        kind=common_pb2.AGENT_EXECUTION,
-        execution_id=execution_id,
-        session_id=session_id,
-        session_execution_target=common_pb2.CLOUD,
-        caller_identity_id="ida_as",
-    )
 
 
 def agent_completed(execution_id: str, session_id: str) -> inputs_pb2.PhaseChanged:
@@ -268,13 +248,13 @@ async def test_the_pods_idle_sweep_suspends_an_idle_session_and_the_next_executi
     topics = settings.topics
     # A Sandbox left behind by someone else's crash: our labels, no execution state.
     orphan = f"wfx_as_orphan_{uuid.uuid4().hex[:8]}"
-    leaker = new_agent_sandbox_provisioner(as_config(ns, kube_node.kubeconfig_path), LOG)
+    leaker = new_agent_sandbox_provisioner(node_driver_config(ns, kube_node.kubeconfig_path), LOG)
     await leaker.ensure("workflow", orphan, SandboxEnvironment(task_queue=f"wfexec:{orphan}"))
     await leaker.close()
     async with running_pod(env) as composed:
         assert start_driver_background(composed) is not None
         first = f"axr_idle_{uuid.uuid4().hex[:8]}"
-        await produce(kafka_bootstrap, env, agent_execution_created(first, session))
+        await produce(kafka_bootstrap, env, agent_created(first, session))
         (provisioned,) = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
         assert isinstance(provisioned.message, outcomes_pb2.SandboxProvisioned), provisioned.message
         assert provisioned.message.sandbox.driver == "agent-sandbox"
@@ -309,7 +289,7 @@ async def test_the_pods_idle_sweep_suspends_an_idle_session_and_the_next_executi
         # The session's next execution wakes the same Sandbox, workspace kept.
         uid = _sandbox(custom, ns, base)["metadata"]["uid"]
         second = f"axr_idle_{uuid.uuid4().hex[:8]}"
-        await produce(kafka_bootstrap, env, agent_execution_created(second, session))
+        await produce(kafka_bootstrap, env, agent_created(second, session))
         await read_topic(kafka_bootstrap, topics.outcomes, at_least=2)
         woken = await wait_for("the woken runner pod", lambda: running_runner_pod(core, ns, session))
         assert _sandbox(custom, ns, base)["metadata"]["uid"] == uid
@@ -356,7 +336,10 @@ async def test_a_warm_claim_adopts_a_running_pool_sandbox_and_hands_it_the_secre
     core, custom = client.CoreV1Api(node_admin), client.CustomObjectsApi(node_admin)
     ns = node_namespace
     driver = new_agent_sandbox_provisioner(
-        as_config(ns, kube_node.kubeconfig_path, warm_pool_size="2", warm_adopt_timeout_seconds="10"), LOG
+        node_driver_config(
+            ns, kube_node.kubeconfig_path, warm_pool_size="2", warm_adopt_timeout_seconds="10"
+        ),
+        LOG,
     )
     assert driver.warm is not None
     try:
@@ -389,14 +372,14 @@ async def test_a_warm_claim_adopts_a_running_pool_sandbox_and_hands_it_the_secre
         assert started_env == token
         inside = runner_env_of()
         assert inside["STIGMER_TASK_QUEUE"] == f"wfexec:{execution}"
-        assert inside["ANTHROPIC_API_KEY"] == "sk-ant-as-secret"
-        assert inside["STIGMER_TEMPORAL_API_KEY"] == "temporal-as-key"
+        assert inside["ANTHROPIC_API_KEY"] == "sk-ant-node-secret"
+        assert inside["STIGMER_TEMPORAL_API_KEY"] == "temporal-node-key"
         assert "runner stand-in up" in core.read_namespaced_pod_log(adopted, ns, container="runner")
         # ... and the secrets are in no API object: not the claim, the Sandbox, the pod or an event.
         pod = core.read_namespaced_pod(adopted, ns)
         visible = str(claim) + str(_sandbox(custom, ns, adopted)) + str(pod.to_dict())
         visible += str(core.list_namespaced_event(ns).to_dict())
-        for secret in (token, "sk-ant-as-secret", "temporal-as-key"):
+        for secret in (token, "sk-ant-node-secret", "temporal-node-key"):
             assert secret not in visible
         mode = pod_exec(core, ns, adopted, ["/bin/stat", "-c", "%a", "/run/stigmer/assignment.env"]).strip()
         assert mode == "600"

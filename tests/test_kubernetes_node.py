@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,7 +42,7 @@ SMALL_RUNNER = {
 }
 
 
-def node_driver_config(namespace: str, node: KubeNode, **options: str) -> DriverConfig:
+def node_driver_config(namespace: str, kubeconfig: Path, **options: str) -> DriverConfig:
     return DriverConfig(
         backend_endpoint="http://127.0.0.1:7234",
         temporal_address="127.0.0.1:7233",
@@ -52,13 +53,13 @@ def node_driver_config(namespace: str, node: KubeNode, **options: str) -> Driver
         runner_env={"RUNNER_LOG_LEVEL": "debug"},
         runner_secret_env={"ANTHROPIC_API_KEY": "sk-ant-node-secret"},
         temporal_connection_env={"STIGMER_TEMPORAL_API_KEY": "temporal-node-key"},
-        options={"kubeconfig": str(node.kubeconfig_path), **SMALL_RUNNER, **options},
+        options={"kubeconfig": str(kubeconfig), **SMALL_RUNNER, **options},
     )
 
 
 @pytest.fixture
 async def node_driver(kube_node: KubeNode, node_namespace: str) -> AsyncIterator[KubernetesProvisioner]:
-    p = new_kubernetes_provisioner(node_driver_config(node_namespace, kube_node), LOG)
+    p = new_kubernetes_provisioner(node_driver_config(node_namespace, kube_node.kubeconfig_path), LOG)
     try:
         yield p
     finally:

@@ -236,7 +236,7 @@ async def test_pod_with_the_kubernetes_driver_runs_a_runner_pod_removes_it_and_r
     core, apps = client.CoreV1Api(node_admin), client.AppsV1Api(node_admin)
     base = sandbox_base_name("workflow", execution_id)
     # A runner left behind by someone else's crash: our labels, no execution state.
-    leaker = new_kubernetes_provisioner(node_driver_config(ns, kube_node), LOG)
+    leaker = new_kubernetes_provisioner(node_driver_config(ns, kube_node.kubeconfig_path), LOG)
     await leaker.ensure("workflow", orphan, SandboxEnvironment(task_queue=f"wfexec:{orphan}"))
     await leaker.close()
     await wait_for("the orphan's runner pod", lambda: running_runner_pod(core, ns, orphan))
