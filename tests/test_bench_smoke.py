@@ -27,6 +27,7 @@ def _positive(fig: dict[str, Any], *keys: str) -> None:
             assert value > 0, (key, value)
 
 
+@pytest.mark.timeout(540)  # seven systems twice, each a process of its own for the peers
 def test_bench_tiny_run_writes_every_figure(
     kafka_bootstrap: str, dockerd: Dockerd, docker_image: str, tmp_path: Path
 ) -> None:
@@ -34,7 +35,7 @@ def test_bench_tiny_run_writes_every_figure(
     cmd = [
         sys.executable, "-m", "consumers.tools.cli", "bench",
         "--bootstrap", kafka_bootstrap, "--out", str(out), "--no-progress",
-        "--repeats", "2", "--events", "300", "--partitions", "2",
+        "--repeats", "2", "--events", "300", "--peer-events", "300", "--partitions", "2",
         "--latency-seconds", "1", "--latency-warmup", "0.5",
         "--rules-events", "2000", "--restore-sizes", "200,1000",
         "--driver-samples", "2", "--docker-samples", "1",
@@ -42,7 +43,7 @@ def test_bench_tiny_run_writes_every_figure(
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=280, check=False,
+        capture_output=True, text=True, timeout=480, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| figure | median | min-max | goal |" in proc.stdout
@@ -73,6 +74,18 @@ def test_bench_tiny_run_writes_every_figure(
     _positive(lat, "offered_rate", "samples", "p50_ms", "p95_ms", "p99_ms")
     assert lat["lost"] == 0
     assert lat["p50_ms"]["median"] <= lat["p95_ms"]["median"] <= lat["p99_ms"]["median"]
+
+    # the peers on the same broker: every system ran, and every sink holds one outcome per event
+    peers = figs["peers"]
+    assert peers["not_installed"] == [] and peers["errors"] == {}, peers
+    systems = {"pod", "quix", "faust", "confluent"}
+    assert {name.split(".")[0] for name in peers["events_per_s"]} == systems
+    for name, rate in peers["events_per_s"].items():
+        _positive(peers["events_per_s"], name)
+        assert len(rate["runs"]) == 2
+        assert peers["checks"][name] == {"outcomes": 600, "duplicates": 0, "missing": 0}, name
+    _positive(peers["ratios"], "pod.exactly_once / quix.exactly_once", "pod.exactly_once / confluent.exactly_once")
+    assert "8. peers (300 events): this pod, exactly_once" in proc.stdout
 
     _positive(figs["rules"], "decisions_per_s_per_core", "decide_only_per_s_per_core")
 

@@ -21,7 +21,7 @@ from consumers.ops.progress import progress
 logger = logging.getLogger("sandbox_lanes.bench")
 
 
-FIGURES = ("ceiling", "pod", "latency", "rules", "restore", "drivers", "burst")
+FIGURES = ("ceiling", "pod", "latency", "peers", "rules", "restore", "drivers", "burst")
 GOALS = {
     "pod_ratio": 0.5,
     "restore_1m_seconds": 60.0,
@@ -107,7 +107,17 @@ def _read_meminfo(field: str) -> int:
 def versions() -> dict[str, str]:
     return {
         name: _version(name)
-        for name in ("sandbox-lanes", "aiokafka", "protobuf", "prometheus-client", "docker", "rich")
+        for name in (
+            "sandbox-lanes",
+            "aiokafka",
+            "protobuf",
+            "prometheus-client",
+            "docker",
+            "rich",
+            "quixstreams",
+            "faust-streaming",
+            "confluent-kafka",
+        )
     }
 
 

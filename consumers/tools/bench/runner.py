@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--events", type=int, default=20_000, help="input events per ceiling/pod run")
     parser.add_argument("--partitions", type=int, default=3, help="partitions of every bench topic")
     parser.add_argument("--max-batch", type=int, default=500, help="records per getmany (pod and pipe)")
+    parser.add_argument("--peer-events", type=int, default=20_000, help="input events per pod/peer run")
     parser.add_argument("--latency-load", type=float, default=0.5, help="offered load x pod throughput")
     parser.add_argument("--latency-rate", type=float, default=0.0, help="offered events/s (overrides load)")
     parser.add_argument(
@@ -132,6 +133,10 @@ async def _main(args: argparse.Namespace, bootstrap: str | None, only: set[str])
                     await timed(
                         name, functools.partial(measure_latency, args, bootstrap, pod_rate, show, guarantee)
                     )
+        if "peers" in only:
+            from consumers.tools.bench.peers_figure import measure_peers
+
+            await timed("peers", lambda: measure_peers(args, bootstrap, show))
         if "restore" in only:
             await timed("restore", lambda: measure_restore(args, bootstrap, show))
         if "burst" in only:
@@ -154,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"sandbox-lanes bench: unknown figure(s) {sorted(unknown)}; known: {FIGURES}", file=sys.stderr)
         return 2
-    needs_kafka = bool(only & {"ceiling", "pod", "latency", "restore", "burst"})
+    needs_kafka = bool(only & {"ceiling", "pod", "latency", "peers", "restore", "burst"})
     began = time.perf_counter()
     meta: dict[str, Any] = {
         "started_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

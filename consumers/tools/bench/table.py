@@ -13,7 +13,7 @@ logger = logging.getLogger("sandbox_lanes.bench")
 # --- the table ----------------------------------------------------------------------------------
 
 
-def _fmt(value: float, unit: str = "") -> str:
+def fmt(value: float, unit: str = "") -> str:
     if value >= 100:
         text = f"{value:,.0f}"
     elif value >= 10:
@@ -23,8 +23,8 @@ def _fmt(value: float, unit: str = "") -> str:
     return f"{text}{unit}"
 
 
-def _mm(s: dict[str, Any], unit: str = "") -> tuple[str, str]:
-    return _fmt(s["median"], unit), f"{_fmt(s['min'], unit)}-{_fmt(s['max'], unit)}"
+def cells(s: dict[str, Any], unit: str = "") -> tuple[str, str]:
+    return fmt(s["median"], unit), f"{fmt(s['min'], unit)}-{fmt(s['max'], unit)}"
 
 
 def render_table(doc: dict[str, Any]) -> str:
@@ -43,18 +43,18 @@ def render_table(doc: dict[str, Any]) -> str:
             c = tp["ceiling"]
             p = tp["pod"]
             rows.append((f"1. ceiling: plain aiokafka pipe ({n:,} events), events/s",
-                         *_mm(c["plain_pipe_events_per_s"]), ""))  # fmt: skip
+                         *cells(c["plain_pipe_events_per_s"]), ""))  # fmt: skip
             rows.append(("   pipe with the pod's write shape (EOS txn, 2 writes/event), events/s",
-                         *_mm(c["eos_pipe_2_writes_events_per_s"]), ""))  # fmt: skip
+                         *cells(c["eos_pipe_2_writes_events_per_s"]), ""))  # fmt: skip
             rows.append(("2. pod, memory driver, exactly_once, events/s",
-                         *_mm(p["exactly_once_events_per_s"]), ""))  # fmt: skip
+                         *cells(p["exactly_once_events_per_s"]), ""))  # fmt: skip
             ratio = p["ratio_exactly_once"]
-            rows.append(("   pod / ceiling (exactly_once)", *_mm(ratio),
-                         _goal(ratio["median"] >= GOALS["pod_ratio"], "≥ 0.5")))  # fmt: skip
-            rows.append(("   pod, at_least_once, events/s", *_mm(p["at_least_once_events_per_s"]), ""))
-            rows.append(("   pod / ceiling (at_least_once)", *_mm(p["ratio_at_least_once"]), ""))
+            rows.append(("   pod / ceiling (exactly_once)", *cells(ratio),
+                         goal(ratio["median"] >= GOALS["pod_ratio"], "≥ 0.5")))  # fmt: skip
+            rows.append(("   pod, at_least_once, events/s", *cells(p["at_least_once_events_per_s"]), ""))
+            rows.append(("   pod / ceiling (at_least_once)", *cells(p["ratio_at_least_once"]), ""))
             rows.append(("   pod / EOS pipe with the same write shape",
-                         *_mm(p["ratio_exactly_once_vs_eos_pipe"]), ""))  # fmt: skip
+                         *cells(p["ratio_exactly_once_vs_eos_pipe"]), ""))  # fmt: skip
     for lat in (figs.get("latency"), figs.get("latency_at_least_once")):
         if lat is None:
             continue
@@ -63,21 +63,21 @@ def render_table(doc: dict[str, Any]) -> str:
         else:
             load = lat["load_fraction_of_pod"]
             head = f"3. e2e latency, {lat['guarantee']}, {lat['offered_rate']:,.0f}/s ({load:.0%} of pod)"
-            rows.append((f"{head}, p50", *_mm(lat["p50_ms"], " ms"), ""))
-            rows.append(("   p95", *_mm(lat["p95_ms"], " ms"), ""))
+            rows.append((f"{head}, p50", *cells(lat["p50_ms"], " ms"), ""))
+            rows.append(("   p95", *cells(lat["p95_ms"], " ms"), ""))
             p99 = lat["p99_ms"]
-            rows.append(("   p99", *_mm(p99, " ms"),
-                         _goal(p99["median"] < GOALS["latency_p99_ms"], "< 50 ms")))  # fmt: skip
+            rows.append(("   p99", *cells(p99, " ms"),
+                         goal(p99["median"] < GOALS["latency_p99_ms"], "< 50 ms")))  # fmt: skip
     rules = figs.get("rules")
     if rules is not None:
         if "error" in rules:
             err("4. rules", rules)
         else:
             r = rules["decisions_per_s_per_core"]
-            rows.append(("4. pure rules (decide + complete), events/s per core", *_mm(r),
-                         _goal(r["median"] >= GOALS["rules_per_core"], "≥ 200k")))  # fmt: skip
+            rows.append(("4. pure rules (decide + complete), events/s per core", *cells(r),
+                         goal(r["median"] >= GOALS["rules_per_core"], "≥ 200k")))  # fmt: skip
             alone = rules["decide_only_per_s_per_core"]
-            rows.append(("   decide() alone, decisions/s per core", *_mm(alone), ""))
+            rows.append(("   decide() alone, decisions/s per core", *cells(alone), ""))
     rest = figs.get("restore")
     if rest is not None:
         if "error" in rest:
@@ -88,11 +88,11 @@ def render_table(doc: dict[str, Any]) -> str:
                 label = f"{n // 1_000_000}M" if n >= 1_000_000 else f"{n // 1000}k" if n >= 1000 else str(n)
                 goal_t = goal_m = ""
                 if n == 1_000_000:
-                    goal_t = _goal(fig["seconds"]["median"] < GOALS["restore_1m_seconds"], "< 60 s")
-                    goal_m = _goal(fig["rss_peak_mib"]["median"] < GOALS["restore_1m_rss_mib"], "< 1 GiB")
-                rows.append((f"5. restore {label} executions, seconds", *_mm(fig["seconds"], " s"), goal_t))
-                rows.append((f"   restore {label}, records/s", *_mm(fig["records_per_s"]), ""))
-                rows.append((f"   restore {label}, peak RSS", *_mm(fig["rss_peak_mib"], " MiB"), goal_m))
+                    goal_t = goal(fig["seconds"]["median"] < GOALS["restore_1m_seconds"], "< 60 s")
+                    goal_m = goal(fig["rss_peak_mib"]["median"] < GOALS["restore_1m_rss_mib"], "< 1 GiB")
+                rows.append((f"5. restore {label} executions, seconds", *cells(fig["seconds"], " s"), goal_t))
+                rows.append((f"   restore {label}, records/s", *cells(fig["records_per_s"]), ""))
+                rows.append((f"   restore {label}, peak RSS", *cells(fig["rss_peak_mib"], " MiB"), goal_m))
     drv = figs.get("drivers")
     if drv is not None:
         for name, fig in drv.items():
@@ -100,8 +100,16 @@ def render_table(doc: dict[str, Any]) -> str:
                 err(f"6. {name}", fig)
                 continue
             for op, label in (("ensure", f"6. {name} ensure"), ("re_ensure", f"   {name} re-ensure")):
-                p50, p99 = _fmt(fig[f"{op}_p50_ms"], " ms"), _fmt(fig[f"{op}_p99_ms"], " ms")
+                p50, p99 = fmt(fig[f"{op}_p50_ms"], " ms"), fmt(fig[f"{op}_p99_ms"], " ms")
                 rows.append((f"{label} p50 / p99 ({fig['samples']} sandboxes)", f"{p50} / {p99}", "", ""))
+    peers = figs.get("peers")
+    if peers is not None:
+        if "error" in peers:
+            err("8. peers", peers)
+        else:
+            from consumers.tools.bench.peers_figure import report_rows as peer_rows
+
+            rows.extend(peer_rows(peers))
     burst = figs.get("burst")
     if burst is not None:
         if "error" in burst:
@@ -123,5 +131,5 @@ def render_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _goal(met: bool, text: str) -> str:
+def goal(met: bool, text: str) -> str:
     return f"{text} {'met' if met else 'MISSED'}"

@@ -1,0 +1,59 @@
+"""The per-record work every peer does, so the frameworks differ only in how they consume, store
+and produce: decode the protobuf ``ExecutionCreated``, derive the sandbox's deterministic name, keep
+a per-execution state and write one protobuf ``SandboxProvisioned`` (uuid5 id, CloudEvents headers).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from drivers.naming import sandbox_base_name
+from events.codec import derived_event_id, encode, new_meta
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
+
+SOURCE = "bench-peer"
+
+
+def new_state(value: bytes, state: dict[str, Any] | None) -> tuple[dict[str, Any], bytes | None]:
+    """(the execution's new state, the outcome's bytes or None when the input was applied before)."""
+    created = inputs_pb2.ExecutionCreated.FromString(value)
+    event_id = created.meta.event_id
+    if state is not None and event_id in state["applied"]:
+        return state, None
+    name = sandbox_base_name("workflow", created.execution_id)
+    outcome = outcomes_pb2.SandboxProvisioned(
+        meta=new_meta(
+            event_id=derived_event_id(event_id, "SandboxProvisioned", "workflow"),
+            source=SOURCE,
+            causation_id=event_id,
+        ),
+        execution_id=created.execution_id,
+        sandbox=common_pb2.SandboxRef(
+            scope=common_pb2.SANDBOX_SCOPE_WORKFLOW,
+            sandbox_id=created.execution_id,
+            name=name,
+            driver="memory",
+            task_queue=f"stigmer_runner_{created.execution_id}",
+        ),
+        probe_state="running",
+    )
+    new = {
+        "execution_id": created.execution_id,
+        "phase": "provisioned",
+        "sandbox": name,
+        "applied": [*(state["applied"] if state else []), event_id],
+    }
+    return new, encode(outcome, source=SOURCE).value
+
+
+def arguments(description: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--bootstrap", required=True)
+    parser.add_argument("--source", required=True, help="input topic (ExecutionCreated)")
+    parser.add_argument("--sink", required=True, help="output topic (SandboxProvisioned)")
+    parser.add_argument("--group", required=True, help="consumer group / application id")
+    parser.add_argument("--guarantee", choices=("exactly_once", "at_least_once"), default="exactly_once")
+    parser.add_argument("--partitions", type=int, default=3)
+    parser.add_argument("--state-dir", default="", help="where a peer keeps local state")
+    return parser.parse_args()

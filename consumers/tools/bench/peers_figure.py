@@ -1,0 +1,314 @@
+"""Figure 8: the pod next to what a user would pick instead, one broker, one run, one measure.
+
+Every system consumes the same protobuf ``ExecutionCreated`` topic from the start, keeps per-execution
+state in its changelog-backed store and writes one outcome per event to its own sink. The sink topics
+use ``LogAppendTime``: a system's events/s is the number of events over the broker's append times of its
+first and last outcome, so start-up (and the clients' own clocks) are out of every figure alike. A run
+ends when the system's group has committed every input offset; its sink is then read with
+``read_committed`` and must hold one outcome per event (a duplicate is counted, never hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from consumers.ops.progress import progress
+from consumers.tools.bench.common import (
+    create_topics,
+    delete_topics,
+    lane_env,
+    produce_inputs,
+    running_pod,
+    summary,
+)
+
+#: (system, guarantee) → the peer module run as ``python -m`` (None = the pod itself, in process).
+SYSTEMS: tuple[tuple[str, str, str | None], ...] = (
+    ("pod", "exactly_once", None),
+    ("pod", "at_least_once", None),
+    ("quix", "exactly_once", "consumers.tools.bench.peers.quix_app"),
+    ("quix", "at_least_once", "consumers.tools.bench.peers.quix_app"),
+    ("faust", "exactly_once", "consumers.tools.bench.peers.faust_app"),
+    ("faust", "at_least_once", "consumers.tools.bench.peers.faust_app"),
+    ("confluent", "exactly_once", "consumers.tools.bench.peers.confluent_pipe"),
+)
+PEER_DISTS = {"quix": "quixstreams", "faust": "faust", "confluent": "confluent_kafka"}
+GOAL_VS_QUIX = 1.5
+GOAL_VS_CONFLUENT = 0.5
+
+
+@dataclass(frozen=True)
+class SinkReading:
+    records: int
+    distinct: int
+    first_ms: int
+    last_ms: int
+
+
+def installed(system: str) -> bool:
+    if system == "pod":
+        return True
+    import importlib.util
+
+    return importlib.util.find_spec(PEER_DISTS[system]) is not None
+
+
+async def _admin(bootstrap: str) -> Any:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    return admin
+
+
+async def _create_sink(bootstrap: str, name: str, partitions: int, *, compacted: bool = False) -> None:
+    from aiokafka.admin import NewTopic
+
+    config = {"message.timestamp.type": "LogAppendTime"}
+    if compacted:
+        config = {"cleanup.policy": "compact"}
+    admin = await _admin(bootstrap)
+    try:
+        await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=config)])
+    finally:
+        await admin.close()
+
+
+async def _committed(bootstrap: str, group: str, topic: str) -> int:
+    admin = await _admin(bootstrap)
+    try:
+        offsets = await admin.list_consumer_group_offsets(group)
+    except Exception:  # the group may not exist yet
+        return 0
+    finally:
+        await admin.close()
+    return sum(meta.offset for tp, meta in offsets.items() if tp.topic == topic and meta.offset > 0)
+
+
+async def _wait_committed(
+    bootstrap: str, group: str, topic: str, n: int, timeout_s: float, alive: Callable[[], None]
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive()
+        done = await _committed(bootstrap, group, topic)
+        if done >= n:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{group} committed {done}/{n} input offsets in {timeout_s:.0f}s")
+        await asyncio.sleep(0.25)
+
+
+async def read_sink(bootstrap: str, topic: str, partitions: int) -> SinkReading:
+    """Every committed record of ``topic``: count, distinct values, first and last append time."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
+                                enable_auto_commit=False)  # fmt: skip
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        ends = await consumer.end_offsets(parts)
+        seen: set[bytes] = set()
+        records = 0
+        first = last = 0
+        while [tp for tp in parts if await consumer.position(tp) < ends[tp]]:
+            batch = await consumer.getmany(timeout_ms=500, max_records=5000)
+            for recs in batch.values():
+                for rec in recs:
+                    records += 1
+                    seen.add(rec.value or b"")
+                    first = rec.timestamp if not first else min(first, rec.timestamp)
+                    last = max(last, rec.timestamp)
+    finally:
+        await consumer.stop()
+    return SinkReading(records, len(seen), first, last)
+
+
+async def _run_peer(
+    module: str, bootstrap: str, source: str, sink: str, group: str, guarantee: str,
+    partitions: int, n: int, timeout_s: float,
+) -> None:  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="sandbox-lanes-peer-") as state_dir:
+        cmd = [
+            sys.executable, "-m", module, "--bootstrap", bootstrap, "--source", source, "--sink", sink,
+            "--group", group, "--guarantee", guarantee, "--partitions", str(partitions),
+            "--state-dir", state_dir,
+        ]  # fmt: skip
+        with tempfile.TemporaryFile() as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=state_dir,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+
+            def alive() -> None:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-800:]
+                    raise RuntimeError(f"{module} exited {proc.returncode}: {tail}")
+
+            try:
+                await _wait_committed(bootstrap, group, source, n, timeout_s, alive)
+            finally:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        await asyncio.to_thread(proc.wait, 30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        await asyncio.to_thread(proc.wait)
+
+
+async def _run_pod(base: dict[str, str], sink: str, guarantee: str, tag: str, n: int,
+                   timeout_s: float, max_batch: int, created: list[str]) -> str:  # fmt: skip
+    group = f"{tag}-pod-{guarantee}"
+    env = {
+        **base,
+        "SANDBOX_LANES_PROCESSING_GUARANTEE": guarantee,
+        "SANDBOX_LANES_GROUP_ID": group,
+        "SANDBOX_LANES_TOPIC_OUTCOMES": sink,
+        "SANDBOX_LANES_TOPIC_STATE": f"{sink}.state",
+        "SANDBOX_LANES_TOPIC_DLQ": f"{sink}.dlq",
+    }
+    created.extend((f"{sink}.state", f"{sink}.dlq"))
+    async with running_pod(env, max_batch) as pod:
+        await _wait_committed(base["KAFKA_BOOTSTRAP_SERVERS"], group,
+                              base["SANDBOX_LANES_TOPIC_EXECUTION_CREATED"], n, timeout_s,
+                              lambda: None)  # fmt: skip
+        if pod.stats.dead_lettered:
+            raise RuntimeError(f"{pod.stats.dead_lettered} bench records dead-lettered")
+    return group
+
+
+async def measure_peers(args: argparse.Namespace, bootstrap: str, show: bool) -> dict[str, Any]:
+    from consumers.ops.settings import load_settings
+
+    tag = f"bench-peers-{uuid.uuid4().hex[:6]}"
+    base = lane_env(bootstrap, tag, args.partitions, "exactly_once")
+    topics = load_settings(base).topics
+    await create_topics(bootstrap, topics, args.partitions)
+    created: list[str] = list(topics.all())
+    n = args.peer_events
+    source = topics.execution_created
+    await produce_inputs(bootstrap, source, n, tag, show)
+    rates: dict[str, list[float]] = {}
+    checks: dict[str, dict[str, int]] = {}
+    errors: dict[str, str] = {}
+    missing = sorted({s for s, _, _ in SYSTEMS if not installed(s)})
+    systems = [s for s in SYSTEMS if s[0] not in missing]
+    timeout = max(180.0, n / 100)
+    try:
+        with progress("pod and peers", args.repeats * len(systems), enabled=show) as bar:
+            for r in range(args.repeats):
+                # Interleaved, so drift in the machine's load hits every system alike.
+                for system, guarantee, module in systems:
+                    name = f"{system}.{guarantee}"
+                    sink = f"{tag}.{system}-{guarantee}-{r}"
+                    group = f"{tag}-{system}-{guarantee}-{r}"
+                    created.append(sink)
+                    await _create_sink(bootstrap, sink, args.partitions)
+                    run: Awaitable[Any]
+                    if module is None:
+                        run = _run_pod({**base, "SANDBOX_LANES_GROUP_ID": group}, sink, guarantee,
+                                       f"{tag}-{r}", n, timeout, args.max_batch, created)  # fmt: skip
+                    else:
+                        if system == "confluent":
+                            created.append(f"{group}-changelog")
+                            await _create_sink(bootstrap, f"{group}-changelog", args.partitions,
+                                               compacted=True)  # fmt: skip
+                        run = _run_peer(module, bootstrap, source, sink, group, guarantee,
+                                        args.partitions, n, timeout)  # fmt: skip
+                    try:
+                        await run
+                    except Exception as exc:  # one peer's failure is its figure, not the bench's
+                        errors.setdefault(name, f"{type(exc).__name__}: {exc}"[-600:])
+                        bar.advance()
+                        continue
+                    reading = await read_sink(bootstrap, sink, args.partitions)
+                    span_s = max(reading.last_ms - reading.first_ms, 1) / 1000
+                    rates.setdefault(name, []).append(n / span_s)
+                    prev = checks.setdefault(name, {"outcomes": 0, "duplicates": 0, "missing": 0})
+                    prev["outcomes"] += reading.records
+                    prev["duplicates"] += reading.records - reading.distinct
+                    prev["missing"] += max(n - reading.distinct, 0)
+                    bar.advance()
+    finally:
+        await delete_topics(bootstrap, created + await _peer_internal_topics(bootstrap, tag))
+    out: dict[str, Any] = {
+        "events": n,
+        "partitions": args.partitions,
+        "repeats": args.repeats,
+        "not_installed": missing,
+        "events_per_s": {name: summary(vals) for name, vals in rates.items()},
+        "checks": checks,
+        "errors": errors,
+    }
+    pod = rates.get("pod.exactly_once")
+    ratios: dict[str, Any] = {}
+    for peer in ("quix.exactly_once", "confluent.exactly_once", "faust.exactly_once"):
+        if pod and peer in rates:
+            ratios[f"pod.exactly_once / {peer}"] = summary(
+                [p / q for p, q in zip(pod, rates[peer], strict=True)]
+            )
+    out["ratios"] = ratios
+    return out
+
+
+async def _peer_internal_topics(bootstrap: str, tag: str) -> list[str]:
+    """The changelog and repartition topics the frameworks made for themselves (names carry the tag)."""
+    admin = await _admin(bootstrap)
+    try:
+        names = await admin.list_topics()
+    except Exception:
+        return []
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.close()
+    return [t for t in names if tag in t]
+
+
+def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    from consumers.tools.bench.table import cells, goal
+
+    rows: list[tuple[str, str, str, str]] = []
+    labels = {
+        "pod": "this pod",
+        "quix": "Quix Streams (RocksDB state + changelog)",
+        "faust": "faust-streaming (Table, memory store + changelog)",
+        "confluent": "plain confluent-kafka pipe (KIP-447 EOS, 2 writes/event)",
+    }
+    first = True
+    for name, s in fig["events_per_s"].items():
+        system, guarantee = name.split(".")
+        check = fig["checks"][name]
+        flag = ""
+        if check["duplicates"] or check["missing"]:
+            flag = f" ({check['duplicates']} duplicates, {check['missing']} missing)"
+        head = f"8. peers ({fig['events']:,} events): " if first else "   "
+        first = False
+        rows.append((f"{head}{labels[system]}, {guarantee}, events/s{flag}", *cells(s), ""))
+    for name, s in fig["ratios"].items():
+        target = None
+        if "quix" in name:
+            target = GOAL_VS_QUIX
+        elif "confluent" in name:
+            target = GOAL_VS_CONFLUENT
+        text = goal(s["median"] >= target, f"≥ {target}") if target is not None else ""
+        rows.append((f"   {name}", *cells(s), text))
+    for name, error in fig.get("errors", {}).items():
+        rows.append((f"   {name}", "error", error[:160], ""))
+    if fig["not_installed"]:
+        rows.append(("   not installed (the [bench] extra)", ", ".join(fig["not_installed"]), "", ""))
+    return rows
