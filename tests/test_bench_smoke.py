@@ -78,13 +78,15 @@ def test_bench_tiny_run_writes_every_figure(
     # the peers on the same broker: every system ran, and every sink holds one outcome per event
     peers = figs["peers"]
     assert peers["not_installed"] == [] and peers["errors"] == {}, peers
-    systems = {"pod", "quix", "faust", "confluent"}
-    assert {name.split(".")[0] for name in peers["events_per_s"]} == systems
+    systems = {"pod", "quix", "faust", "confluent", "pod-rules-confluent"}
+    assert {name.rsplit(".", 1)[0] for name in peers["events_per_s"]} == systems
     for name, rate in peers["events_per_s"].items():
         _positive(peers["events_per_s"], name)
         assert len(rate["runs"]) == 2
         assert peers["checks"][name] == {"outcomes": 600, "duplicates": 0, "missing": 0}, name
-    _positive(peers["ratios"], "pod.exactly_once / quix.exactly_once", "pod.exactly_once / confluent.exactly_once")
+    _positive(
+        peers["ratios"], "pod.exactly_once / quix.exactly_once", "pod.exactly_once / confluent.exactly_once"
+    )
     assert "8. peers (300 events): this pod, exactly_once" in proc.stdout
 
     _positive(figs["rules"], "decisions_per_s_per_core", "decide_only_per_s_per_core")

@@ -43,8 +43,14 @@ SYSTEMS: tuple[tuple[str, str, str | None], ...] = (
     ("faust", "exactly_once", "consumers.tools.bench.peers.faust_app"),
     ("faust", "at_least_once", "consumers.tools.bench.peers.faust_app"),
     ("confluent", "exactly_once", "consumers.tools.bench.peers.confluent_pipe"),
+    ("pod-rules-confluent", "exactly_once", "consumers.tools.bench.peers.pod_rules_confluent"),
 )
-PEER_DISTS = {"quix": "quixstreams", "faust": "faust", "confluent": "confluent_kafka"}
+PEER_DISTS = {
+    "quix": "quixstreams",
+    "faust": "faust",
+    "confluent": "confluent_kafka",
+    "pod-rules-confluent": "confluent_kafka",
+}
 GOAL_VS_QUIX = 1.5
 GOAL_VS_CONFLUENT = 0.5
 
@@ -224,7 +230,7 @@ async def measure_peers(args: argparse.Namespace, bootstrap: str, show: bool) ->
                         run = _run_pod({**base, "SANDBOX_LANES_GROUP_ID": group}, sink, guarantee,
                                        f"{tag}-{r}", n, timeout, args.max_batch, created)  # fmt: skip
                     else:
-                        if system == "confluent":
+                        if system in ("confluent", "pod-rules-confluent"):
                             created.append(f"{group}-changelog")
                             await _create_sink(bootstrap, f"{group}-changelog", args.partitions,
                                                compacted=True)  # fmt: skip
@@ -257,7 +263,12 @@ async def measure_peers(args: argparse.Namespace, bootstrap: str, show: bool) ->
     }
     pod = rates.get("pod.exactly_once")
     ratios: dict[str, Any] = {}
-    for peer in ("quix.exactly_once", "confluent.exactly_once", "faust.exactly_once"):
+    for peer in (
+        "quix.exactly_once",
+        "confluent.exactly_once",
+        "faust.exactly_once",
+        "pod-rules-confluent.exactly_once",
+    ):
         if pod and peer in rates:
             ratios[f"pod.exactly_once / {peer}"] = summary(
                 [p / q for p, q in zip(pod, rates[peer], strict=True)]
@@ -288,10 +299,11 @@ def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         "quix": "Quix Streams (RocksDB state + changelog)",
         "faust": "faust-streaming (Table, memory store + changelog)",
         "confluent": "plain confluent-kafka pipe (KIP-447 EOS, 2 writes/event)",
+        "pod-rules-confluent": "the pod's rules + codec on confluent-kafka (KIP-447, 3 writes/event, inline)",
     }
     first = True
     for name, s in fig["events_per_s"].items():
-        system, guarantee = name.split(".")
+        system, guarantee = name.rsplit(".", 1)
         check = fig["checks"][name]
         flag = ""
         if check["duplicates"] or check["missing"]:
@@ -300,11 +312,10 @@ def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         first = False
         rows.append((f"{head}{labels[system]}, {guarantee}, events/s{flag}", *cells(s), ""))
     for name, s in fig["ratios"].items():
-        target = None
-        if "quix" in name:
-            target = GOAL_VS_QUIX
-        elif "confluent" in name:
-            target = GOAL_VS_CONFLUENT
+        target = {
+            "pod.exactly_once / quix.exactly_once": GOAL_VS_QUIX,
+            "pod.exactly_once / confluent.exactly_once": GOAL_VS_CONFLUENT,
+        }.get(name)
         text = goal(s["median"] >= target, f"≥ {target}") if target is not None else ""
         rows.append((f"   {name}", *cells(s), text))
     for name, error in fig.get("errors", {}).items():
