@@ -59,7 +59,7 @@ from drivers.agent_sandbox_manifests import (
     wake_patch,
 )
 from drivers.agent_sandbox_warm import CLAIMS, EXT_GROUP, EXT_VERSION, WARM_SCOPES
-from drivers.agent_sandbox_warm_pool import DEFAULT_ADOPT_TIMEOUT_S, WarmPool
+from drivers.agent_sandbox_warm_pool import ASSIGNMENT_MODES, DEFAULT_ADOPT_TIMEOUT_S, WarmPool
 from drivers.contract import (
     SCOPES,
     DriverConfig,
@@ -135,6 +135,7 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         clock: Callable[[], float] = time.time,
         warm_pool_size: int = 0,
         warm_adopt_timeout_s: float = DEFAULT_ADOPT_TIMEOUT_S,
+        warm_assignment: str = "async",
     ) -> None:
         super().__init__(config, logger, api_client)
         self._custom = k8s.CustomObjectsApi(api_client)
@@ -144,7 +145,11 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         #: When this process last ensured each Sandbox: the idle clock's floor (upstream's record).
         self.last_ensured: dict[str, float] = {}
         #: The warm-pool path (an option upstream does not have); None when ``warm_pool_size`` is 0.
-        self.warm = WarmPool(self, warm_pool_size, warm_adopt_timeout_s) if warm_pool_size > 0 else None
+        self.warm = (
+            WarmPool(self, warm_pool_size, warm_adopt_timeout_s, warm_assignment)
+            if warm_pool_size > 0
+            else None
+        )
 
     # -- what the warm-pool path uses
     @property
@@ -262,11 +267,20 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
     async def ensure(
         self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
     ) -> SandboxProbeState:
+        return await self._ensure(scope, sandbox_id, env, warm=True)
+
+    async def ensure_cold(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+        """A Sandbox of its own, never a claim: a warm miss's fallback (the claim is gone by then)."""
+        await self._ensure(scope, sandbox_id, env, warm=False)
+
+    async def _ensure(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment, *, warm: bool
+    ) -> SandboxProbeState:
         base = sandbox_base_name(scope, sandbox_id)
         async with self._lock(base):
             obj = await self._wait_out_deletion(base)
             arm = "created"
-            if obj is None and self.warm is not None and scope in WARM_SCOPES:
+            if obj is None and warm and self.warm is not None and scope in WARM_SCOPES:
                 claimed = await self._ensure_claimed(scope, sandbox_id, env)
                 if claimed is not None:
                     self.last_ensured[base] = self._clock()
@@ -313,6 +327,8 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         """The warm path's arm: ``claimed`` (a live claim holds it), ``warm`` or ``claimed-cold`` (a
         new claim adopted a pool sandbox, or the controller cold-started it); ``None``: go cold."""
         assert self.warm is not None
+        if self.warm.assignment == "async":
+            return await self.warm.claim_async(scope, sandbox_id, env)
         base = sandbox_base_name(scope, sandbox_id)
         claimed = await self.warm.claimed_sandbox(base)
         if claimed is not None:
@@ -346,6 +362,8 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
         base = sandbox_base_name(scope, sandbox_id)
+        if self.warm is not None:
+            await self.warm.cancel_delivery(base)  # nothing is handed to a sandbox on its way out
         await self._call(
             f"delete Sandbox {self._ns}/{base}",
             self._custom.delete_namespaced_custom_object,
@@ -493,6 +511,11 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         sweep.start()
         return sweep
 
+    async def close(self) -> None:
+        if self.warm is not None:
+            await self.warm.close()
+        await super().close()
+
 
 class IdleSweep:
     """The sweep loop: a pass at once, then every interval; passes never overlap; stop is awaited."""
@@ -509,6 +532,14 @@ class IdleSweep:
 
     async def _run(self) -> None:
         while not self._stopping.is_set():
+            warm = self._driver.warm
+            if warm is not None and warm.assignment == "async":
+                try:  # claims left unassigned by a restart (or a delivery that gave up) get theirs
+                    await warm.recover()
+                except Exception as exc:
+                    self._driver._logger.error(
+                        "agent-sandbox warm recovery failed", extra={"error": str(exc)}
+                    )
             try:
                 await self._driver.sweep_once(self._sessions, self._stopping)
             except Exception as exc:
@@ -523,8 +554,14 @@ class IdleSweep:
             await self._task
 
 
-def _warm_options(options: Mapping[str, str]) -> tuple[int, float]:
+def _warm_options(options: Mapping[str, str]) -> tuple[int, float, str]:
     raw_size = options.get("warm_pool_size") or "0"
+    mode = options.get("warm_assignment") or "async"
+    if mode not in ASSIGNMENT_MODES:
+        raise ValueError(
+            f"sandbox provisioner '{DRIVER_NAME}': warm_assignment must be one of"
+            f" {', '.join(ASSIGNMENT_MODES)}, got {mode!r}"
+        )
     raw_timeout = options.get("warm_adopt_timeout_seconds") or str(DEFAULT_ADOPT_TIMEOUT_S)
     if not raw_size.strip().isdigit():
         raise ValueError(
@@ -540,18 +577,24 @@ def _warm_options(options: Mapping[str, str]) -> tuple[int, float]:
             f"sandbox provisioner '{DRIVER_NAME}': warm_adopt_timeout_seconds must be a number > 0,"
             f" got {raw_timeout!r}"
         )
-    return int(raw_size), timeout
+    return int(raw_size), timeout, mode
 
 
 def new_agent_sandbox_provisioner(config: DriverConfig, logger: logging.Logger) -> AgentSandboxProvisioner:
     boot_checks(config, DRIVER_NAME)
     idle = idle_config(config.options)
-    size, timeout = _warm_options(config.options)
+    size, timeout, mode = _warm_options(config.options)
     pool = max_pool_size(config.options)
     cfg = load_client_configuration(config.options)
     cfg.connection_pool_maxsize = pool
     return AgentSandboxProvisioner(
-        config, logger, k8s.ApiClient(cfg), idle, warm_pool_size=size, warm_adopt_timeout_s=timeout
+        config,
+        logger,
+        k8s.ApiClient(cfg),
+        idle,
+        warm_pool_size=size,
+        warm_adopt_timeout_s=timeout,
+        warm_assignment=mode,
     )
 
 

@@ -10,7 +10,10 @@ A warm pod is already running when it is claimed, so nothing per-sandbox can be 
 * **secrets** (the token, the operator's runner secrets, the Temporal connection settings): never a
   label or an annotation. The driver writes them into the pod over ``exec`` stdin (TLS to the API
   server, then the kubelet), into ``/run/stigmer/assignment.env`` on a memory-backed emptyDir,
-  mode 0600; they appear in no API object, no event and no process argument.
+  mode 0600; they appear in no claim, Sandbox, pod, event or process argument. With the default
+  ``warm_assignment=async`` they are also kept in the Secret ``<base>-env`` owned by the claim (as the
+  cold path keeps a Sandbox's), which no pod mounts: the driver reads it back to deliver them after a
+  restart of its own.
 
 The warm runner contract (``WARM_RUNNER_SCRIPT``): wait until both the task-queue annotation and
 the assignment file are there, export them, then exec the normal runner entry
@@ -22,6 +25,7 @@ serves the workflow and connect scopes; a session keeps its cold Sandbox and its
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import shlex
@@ -35,6 +39,7 @@ from drivers.kubernetes_manifests import (
     WORKSPACE_DIR,
     WORKSPACE_VOLUME,
     runner_env,
+    secret_name,
 )
 from drivers.naming import LABEL_MANAGED_BY, MANAGED_BY_VALUE, sandbox_base_name, sandbox_labels
 from drivers.runner_launch import runner_command
@@ -172,6 +177,37 @@ def assignment_file(config: DriverConfig, env: SandboxEnvironment) -> bytes:
     lines = ["# stigmer sandbox assignment\n"]  # never empty: the runner waits for a non-empty file
     lines += [f"{k}={shlex.quote(v)}\n" for k, v in secret.items()]
     return "".join(lines).encode("utf-8")
+
+
+ASSIGNMENT_SECRET_KEY: Final = "assignment.env"
+#: On a claim whose pod holds its assignment (``warm_assignment=async``): what a restarted driver skips.
+ANNOTATION_ASSIGNED: Final = "stigmer.ai/assigned"
+
+
+def assignment_secret_manifest(
+    config: DriverConfig, scope: SandboxScope, sandbox_id: str, data: bytes, claim_uid: str
+) -> dict[str, Any]:
+    """The claim's assignment kept for a later delivery: Secret ``<base>-env``, owned by the claim
+    (deleted with it), mounted by no pod."""
+    base = sandbox_base_name(scope, sandbox_id)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": secret_name(base),
+            "namespace": config.kubernetes_namespace,
+            "labels": sandbox_labels(scope, sandbox_id),
+            "ownerReferences": [
+                {"apiVersion": EXT_API_VERSION, "kind": "SandboxClaim", "name": base, "uid": claim_uid}
+            ],
+        },
+        "type": "Opaque",
+        "data": {ASSIGNMENT_SECRET_KEY: base64.b64encode(data).decode("ascii")},
+    }
+
+
+def assigned_patch() -> dict[str, Any]:
+    return {"metadata": {"annotations": {ANNOTATION_ASSIGNED: "true"}}}
 
 
 def assignment_command(size: int) -> list[str]:

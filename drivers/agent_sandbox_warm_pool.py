@@ -12,6 +12,13 @@ A claim that is not Ready in time, or whose pod will not take the assignment, is
 the claim is deleted and the ensure falls back to a cold Sandbox of its own. The controller itself
 cold-starts a claim when the pool is empty; that counts as launch type ``cold``.
 
+``warm_assignment`` says when the ensure returns. ``async`` (the default): once the claim and its
+assignment Secret exist (upstream's posture: no driver waits for readiness); steps 2 and 3, and a
+miss's cold fallback, then run in a delivery task, and the claim is annotated
+``stigmer.ai/assigned`` once its pod holds the secrets. A driver that starts finds claims without
+that annotation and delivers their Secret's assignment (``recover``). ``sync``: after step 3, so
+``SandboxProvisioned`` means the runner holds its assignment.
+
 Metrics (on the pod's registry once bound): time to sandbox by launch type, the pool's ready
 replicas, adoption misses.
 """
@@ -19,6 +26,8 @@ replicas, adoption misses.
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any, Final
 
@@ -28,14 +37,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from drivers.agent_sandbox_manifests import GROUP, PLURAL, VERSION
 from drivers.agent_sandbox_warm import (
+    ANNOTATION_ASSIGNED,
+    ASSIGNMENT_SECRET_KEY,
     CLAIMS,
     EXT_GROUP,
     EXT_VERSION,
     LAUNCH_TYPE_LABEL,
     POOLS,
     TEMPLATES,
+    assigned_patch,
     assignment_command,
     assignment_file,
+    assignment_secret_manifest,
     claim_manifest,
     pool_manifest,
     pool_name,
@@ -43,13 +56,16 @@ from drivers.agent_sandbox_warm import (
 )
 from drivers.contract import SandboxEnvironment, SandboxError, SandboxScope
 from drivers.kubernetes_driver import APPLY_CONTENT_TYPE, FIELD_MANAGER
-from drivers.kubernetes_manifests import CONTAINER_NAME
-from drivers.naming import sandbox_base_name
+from drivers.kubernetes_manifests import CONTAINER_NAME, secret_name
+from drivers.naming import LABEL_MANAGED_BY, MANAGED_BY_VALUE, sandbox_base_name
 
 if TYPE_CHECKING:
     from drivers.agent_sandbox_driver import AgentSandboxProvisioner
 
 DEFAULT_ADOPT_TIMEOUT_S: Final = 10.0
+ASSIGNMENT_MODES: Final = ("async", "sync")
+#: Exec attempts per delivery (a pod just Ready may not take an exec at once).
+ASSIGN_ATTEMPTS: Final = 3
 #: How long a missed claim may take to go (a foreground delete: its cold-made Sandbox and pod first).
 GONE_TIMEOUT_S: Final = 60.0
 POLL_S: Final = 0.02
@@ -84,10 +100,17 @@ class WarmPoolMetrics:
 
 
 class WarmPool:
-    def __init__(self, driver: AgentSandboxProvisioner, size: int, adopt_timeout_s: float) -> None:
+    def __init__(
+        self, driver: AgentSandboxProvisioner, size: int, adopt_timeout_s: float, assignment: str = "async"
+    ) -> None:
         self._driver = driver
         self.size = size
         self.adopt_timeout_s = adopt_timeout_s
+        self.assignment = assignment
+        #: Delivery tasks by claim name (``async``): cancelled by a deprovision and by ``close``.
+        self._deliveries: dict[str, asyncio.Task[None]] = {}
+        #: Seconds from claim created to secrets delivered, per delivery (the bench's figure).
+        self.delivered_s: list[float] = []
         self.name = pool_name(driver.config)
         self._applied = False
         self._apply_lock = asyncio.Lock()
@@ -217,19 +240,214 @@ class WarmPool:
         self.launches[launch] = self.launches.get(launch, 0) + 1
         return launch
 
+    # -- warm_assignment=async ---------------------------------------------------------------------
+
+    async def claim_async(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> str:
+        """The ``async`` ensure: the claim (or the live one) and its assignment Secret; the delivery
+        runs behind. The arm: ``claimed`` (a live claim, its Secret refreshed) or ``warm-claimed``."""
+        d = self._driver
+        base = sandbox_base_name(scope, sandbox_id)
+        data = assignment_file(d.config, env)
+        # Create first (the common case costs one call); a 409 is a live claim or one on its way out.
+        claim = await self._create_claim(scope, sandbox_id, env)
+        arm = "warm-claimed"
+        if claim is None:
+            claim = await self.read_claim(base)
+            if claim is not None and not (claim.get("metadata") or {}).get("deletionTimestamp"):
+                arm = "claimed"
+            else:
+                if claim is not None:
+                    await self._gone(base)
+                claim = await self._create_claim(scope, sandbox_id, env) or await self.read_claim(base)
+        if claim is None:
+            raise SandboxError(f"agent-sandbox SandboxClaim {base} was created but cannot be read")
+        uid = str((claim.get("metadata") or {}).get("uid", ""))
+        secret = assignment_secret_manifest(d.config, scope, sandbox_id, data, uid)
+        await d.call(
+            f"apply Secret {d.config.kubernetes_namespace}/{secret['metadata']['name']}",
+            d.core.patch_namespaced_secret,
+            secret["metadata"]["name"],
+            d.config.kubernetes_namespace,
+            secret,
+            env=env,
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type=APPLY_CONTENT_TYPE,
+        )
+        fallback = (scope, sandbox_id, env) if arm == "warm-claimed" else None
+        self._start_delivery(base, data, fallback)
+        return arm
+
+    async def _create_claim(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> dict[str, Any] | None:
+        """The new claim, or ``None`` when one with the name exists (409)."""
+        d = self._driver
+        await self.prepare()
+        created = await d.call(
+            f"create SandboxClaim {d.config.kubernetes_namespace}/{sandbox_base_name(scope, sandbox_id)}",
+            d.custom.create_namespaced_custom_object,
+            EXT_GROUP,
+            EXT_VERSION,
+            d.config.kubernetes_namespace,
+            CLAIMS,
+            claim_manifest(d.config, scope, sandbox_id, env),
+            env=env,
+            field_manager=FIELD_MANAGER,
+            tolerate=frozenset({409}),
+        )
+        return created if isinstance(created, dict) else None
+
+    def _start_delivery(
+        self, base: str, data: bytes, fallback: tuple[SandboxScope, str, SandboxEnvironment] | None
+    ) -> None:
+        old = self._deliveries.pop(base, None)
+        if old is not None:
+            old.cancel()
+        task = asyncio.create_task(self._deliver(base, data, fallback), name=f"agent-sandbox-assign-{base}")
+        self._deliveries[base] = task
+        task.add_done_callback(
+            lambda t: self._deliveries.pop(base, None) if self._deliveries.get(base) is t else None
+        )
+
+    async def _deliver(
+        self, base: str, data: bytes, fallback: tuple[SandboxScope, str, SandboxEnvironment] | None
+    ) -> None:
+        """Wait for the claim's pod, hand it the secrets, mark the claim; a miss goes cold (when this
+        process still holds the ensure's environment) or is logged for the operator."""
+        d = self._driver
+        started = time.monotonic()
+        try:
+            sandbox = await self._wait_ready(base, started)
+            reason = "not ready in time"
+            if sandbox is not None:
+                pod = str(sandbox["metadata"]["name"])
+                for attempt in range(ASSIGN_ATTEMPTS):
+                    try:
+                        await self._assign_data(pod, data)
+                        break
+                    except SandboxError as exc:
+                        if attempt == ASSIGN_ATTEMPTS - 1:
+                            d.logger.warning(
+                                "agent-sandbox warm assignment failed",
+                                extra={"sandbox": base, "error": str(exc)},
+                            )
+                            reason, sandbox = "error", None
+                        else:
+                            await asyncio.sleep(0.2 * (attempt + 1))
+            if sandbox is not None:
+                await d.call(
+                    f"annotate SandboxClaim {d.config.kubernetes_namespace}/{base}",
+                    d.custom.patch_namespaced_custom_object,
+                    EXT_GROUP,
+                    EXT_VERSION,
+                    d.config.kubernetes_namespace,
+                    CLAIMS,
+                    base,
+                    assigned_patch(),
+                    _content_type="application/merge-patch+json",
+                    tolerate=frozenset({404}),
+                )
+                took = time.monotonic() - started
+                launch = str(
+                    ((sandbox.get("metadata") or {}).get("labels") or {}).get(LAUNCH_TYPE_LABEL) or "cold"
+                )
+                self.metrics.time_to_sandbox.labels(launch).observe(took)
+                self.launches[launch] = self.launches.get(launch, 0) + 1
+                self.delivered_s.append(took)
+                d.logger.info(
+                    "agent-sandbox warm assignment delivered", extra={"sandbox": base, "launch": launch}
+                )
+                return
+            if fallback is None:
+                self.metrics.misses.labels(reason).inc()
+                self.missed += 1
+                d.logger.error(
+                    "agent-sandbox claim did not take its assignment (the next ensure delivers it again)",
+                    extra={"sandbox": base, "reason": reason},
+                )
+                return
+            await self._miss(base, reason)
+            scope, sandbox_id, env = fallback
+            await d.ensure_cold(scope, sandbox_id, env)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the ensure has returned: nobody else would see this
+            d.logger.error("agent-sandbox warm delivery failed", extra={"sandbox": base, "error": str(exc)})
+
+    async def cancel_delivery(self, base: str) -> None:
+        task = self._deliveries.pop(base, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    async def settled(self) -> None:
+        """Every delivery running now has ended (tests and the bench)."""
+        while self._deliveries:
+            await asyncio.gather(*list(self._deliveries.values()), return_exceptions=True)
+
+    async def close(self) -> None:
+        for base in list(self._deliveries):
+            await self.cancel_delivery(base)
+
+    async def recover(self) -> int:
+        """Deliver the kept assignment of every claim of ours whose pod does not hold it yet (a
+        restart between an ensure and its delivery); the number of deliveries started."""
+        d = self._driver
+        listed = await d.call(
+            f"list SandboxClaims {d.config.kubernetes_namespace}",
+            d.custom.list_namespaced_custom_object,
+            EXT_GROUP,
+            EXT_VERSION,
+            d.config.kubernetes_namespace,
+            CLAIMS,
+            label_selector=f"{LABEL_MANAGED_BY}={MANAGED_BY_VALUE}",
+            tolerate=frozenset({404}),
+        )
+        started = 0
+        for claim in (listed or {}).get("items") or [] if isinstance(listed, dict) else []:
+            meta = claim.get("metadata") or {}
+            base = str(meta.get("name", ""))
+            if (
+                not base
+                or meta.get("deletionTimestamp")
+                or (meta.get("annotations") or {}).get(ANNOTATION_ASSIGNED)
+                or base in self._deliveries
+            ):
+                continue
+            secret = await d.call(
+                f"read Secret {d.config.kubernetes_namespace}/{secret_name(base)}",
+                d.core.read_namespaced_secret,
+                secret_name(base),
+                d.config.kubernetes_namespace,
+                tolerate=frozenset({404}),
+            )
+            raw = ((getattr(secret, "data", None) or {}) if secret is not None else {}).get(
+                ASSIGNMENT_SECRET_KEY
+            )
+            if not raw:
+                continue  # made by a sync-mode ensure, or its Secret not written yet: the ensure's business
+            self._start_delivery(base, base64.b64decode(raw), None)
+            started += 1
+        return started
+
+    async def _gone(self, base: str) -> None:
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while await self.read_claim(base) is not None:
+            if time.monotonic() > deadline:
+                raise SandboxError(
+                    f"agent-sandbox SandboxClaim {base} still being deleted after {GONE_TIMEOUT_S:.0f}s"
+                )
+            await asyncio.sleep(0.2)
+
     async def _miss(self, base: str, reason: str) -> None:
         """Count the miss and delete the claim, waiting until it is gone: the controller may have
         cold-created a Sandbox named ``base`` for it, which the caller's own create would meet."""
         self.metrics.misses.labels(reason).inc()
         self.missed += 1
         await self.delete_claim(base)
-        deadline = time.monotonic() + GONE_TIMEOUT_S
-        while await self.read_claim(base) is not None:
-            if time.monotonic() > deadline:
-                raise SandboxError(
-                    f"agent-sandbox SandboxClaim {base} still there {GONE_TIMEOUT_S:.0f}s after a miss"
-                )
-            await asyncio.sleep(0.2)
+        await self._gone(base)
 
     async def reassign(self, name: str, env: SandboxEnvironment) -> None:
         """A live claim's pod gets its secrets again (a fresh token, as upstream's Running arm
@@ -250,9 +468,11 @@ class WarmPool:
         return None
 
     async def _assign(self, pod: str, env: SandboxEnvironment) -> None:
-        """Write the secrets into the adopted pod over exec stdin; never into any API object."""
+        await self._assign_data(pod, assignment_file(self._driver.config, env))
+
+    async def _assign_data(self, pod: str, data: bytes) -> None:
+        """Write the secrets into the adopted pod over exec stdin; never into a label or annotation."""
         d = self._driver
-        data = assignment_file(d.config, env)
 
         def run() -> int | None:
             # kubernetes.stream swaps the ApiClient's request method for the call's duration, so an

@@ -337,7 +337,11 @@ async def test_a_warm_claim_adopts_a_running_pool_sandbox_and_hands_it_the_secre
     ns = node_namespace
     driver = new_agent_sandbox_provisioner(
         node_driver_config(
-            ns, kube_node.kubeconfig_path, warm_pool_size="2", warm_adopt_timeout_seconds="10"
+            ns,
+            kube_node.kubeconfig_path,
+            warm_pool_size="2",
+            warm_adopt_timeout_seconds="10",
+            warm_assignment="sync",
         ),
         LOG,
     )
@@ -415,3 +419,110 @@ async def test_a_warm_claim_adopts_a_running_pool_sandbox_and_hands_it_the_secre
         await driver.deprovision("workflow", missed)
     finally:
         await driver.close()
+
+
+async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver_delivers_the_kept_secrets(
+    kube_node: KubeNode,
+    agent_sandbox: AgentSandboxController,
+    node_admin: Any,
+    node_namespace: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="test.agent_sandbox")
+    core, custom = client.CoreV1Api(node_admin), client.CustomObjectsApi(node_admin)
+    ns = node_namespace
+    config = node_driver_config(ns, kube_node.kubeconfig_path, warm_pool_size="2")  # async: the default
+    driver = new_agent_sandbox_provisioner(config, LOG)
+    restarted_driver: AgentSandboxProvisioner | None = None
+    assert driver.warm is not None and driver.warm.assignment == "async"
+
+    def runner_env_of(pod: str) -> dict[str, str]:
+        out = pod_exec(core, ns, pod, ["/bin/sh", "-c", "tr '\\0' '\\n' < /proc/1/environ"])
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def annotations(name: str) -> dict[str, str]:
+        found: dict[str, str] = _claim(custom, ns, name)["metadata"].get("annotations") or {}
+        return found
+
+    try:
+        await driver.warm.prepare()
+        await pool_ready(driver, 2)
+
+        # 1. The ensure returns once the claim and its kept assignment exist; the delivery follows.
+        execution = f"wfx_async_{uuid.uuid4().hex[:8]}"
+        base = sandbox_base_name("workflow", execution)
+        token = "tok.async.secret"
+        started = time.monotonic()
+        assert (
+            await driver.ensure("workflow", execution, SandboxEnvironment(f"wfexec:{execution}", token))
+            == "running"
+        )
+        LOG.info("async warm ensure returned in %.3fs", time.monotonic() - started)
+        assert _arms(caplog) == ["warm-claimed"]
+        claim = _claim(custom, ns, base)
+        kept = core.read_namespaced_secret(secret_name(base), ns)
+        owner = kept.metadata.owner_references[0]
+        assert (owner.kind, owner.name, owner.uid) == ("SandboxClaim", base, claim["metadata"]["uid"])
+        await driver.warm.settled()
+        assert annotations(base).get("stigmer.ai/assigned") == "true"
+        assert driver.warm.launches == {"warm": 1} and len(driver.warm.delivered_s) == 1
+        adopted = _claim(custom, ns, base)["status"]["sandbox"]["name"]
+        assert (
+            await wait_for("the runner to start", lambda: runner_env_of(adopted).get("STIGMER_TOKEN"))
+            == token
+        )
+        assert runner_env_of(adopted)["STIGMER_TASK_QUEUE"] == f"wfexec:{execution}"
+        # The secrets are kept in the claim's Secret only: not the claim, the Sandbox, the pod or an event.
+        visible = str(_claim(custom, ns, base)) + str(_sandbox(custom, ns, adopted))
+        visible += str(core.read_namespaced_pod(adopted, ns).to_dict())
+        visible += str(core.list_namespaced_event(ns).to_dict())
+        for secret in (token, "sk-ant-node-secret", "temporal-node-key"):
+            assert secret not in visible
+
+        # 2. A driver that stops between an ensure and its delivery: the next one delivers the kept Secret.
+        restarted = f"wfx_restart_{uuid.uuid4().hex[:8]}"
+        rbase = sandbox_base_name("workflow", restarted)
+        await driver.ensure("workflow", restarted, SandboxEnvironment(f"wfexec:{restarted}", "tok.restart.x"))
+        await driver.close()  # the claim is not Ready yet: its delivery is cancelled
+        assert "stigmer.ai/assigned" not in annotations(rbase)
+        restarted_driver = new_agent_sandbox_provisioner(config, LOG)
+        assert restarted_driver.warm is not None
+        assert await restarted_driver.warm.recover() == 1  # the assigned claim of step 1 is left alone
+        await restarted_driver.warm.settled()
+        assert annotations(rbase).get("stigmer.ai/assigned") == "true"
+        radopted = _claim(custom, ns, rbase)["status"]["sandbox"]["name"]
+        assert (
+            await wait_for("the recovered runner", lambda: runner_env_of(radopted).get("STIGMER_TOKEN"))
+            == "tok.restart.x"
+        )
+
+        # 3. Deprovision: the claim, its Secret and the adopted Sandbox go.
+        for done in (execution, restarted):
+            await restarted_driver.deprovision("workflow", done)
+        for name, adopted_name in ((base, adopted), (rbase, radopted)):
+            await wait_for("the claim to go", lambda n=name: gone(lambda: _claim(custom, ns, n)), timeout=90)
+            await wait_for(
+                "its Secret to go",
+                lambda n=name: gone(lambda: core.read_namespaced_secret(secret_name(n), ns)),
+                timeout=90,
+            )
+            await wait_for(
+                "the adopted Sandbox to go",
+                lambda a=adopted_name: gone(lambda: _sandbox(custom, ns, a)),
+                timeout=90,
+            )
+
+        # 4. A miss (not Ready in time) goes cold behind the ensure, with the ensure's environment.
+        restarted_driver.warm.adopt_timeout_s = 0.001
+        missed = f"wfx_amiss_{uuid.uuid4().hex[:8]}"
+        await restarted_driver.ensure("workflow", missed, SandboxEnvironment(f"wfexec:{missed}", "tok.m"))
+        await restarted_driver.warm.settled()
+        assert _arms(caplog)[-2:] == ["warm-claimed", "created"], _arms(caplog)
+        assert restarted_driver.warm.missed == 1
+        cold = await wait_for("the cold runner", lambda: running_runner_pod(core, ns, missed))
+        assert runner_env_of(cold.metadata.name)["STIGMER_TOKEN"] == "tok.m"
+        await restarted_driver.deprovision("workflow", missed)
+    finally:
+        await driver.close()
+        if restarted_driver is not None:
+            await restarted_driver.close()

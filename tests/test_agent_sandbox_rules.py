@@ -269,6 +269,50 @@ def test_a_claim_carries_the_queue_as_an_annotation_and_no_secret() -> None:
     assert "tok.en.value" not in str(claim)
 
 
+def test_the_kept_assignment_is_a_secret_owned_by_the_claim_holding_exactly_the_assignment_file() -> None:
+    from drivers.agent_sandbox_warm import assignment_file, assignment_secret_manifest
+
+    env = SandboxEnvironment("wfexec:wfx_1", "tok.en.value")
+    data = assignment_file(CONFIG, env)
+    secret = assignment_secret_manifest(CONFIG, "workflow", "wfx_1", data, "uid-1")
+    base = sandbox_base_name("workflow", "wfx_1")
+    assert secret["metadata"]["name"] == f"{base}-env"
+    assert secret["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "extensions.agents.x-k8s.io/v1beta1",
+            "kind": "SandboxClaim",
+            "name": base,
+            "uid": "uid-1",
+        }
+    ]
+    assert base64.b64decode(secret["data"]["assignment.env"]) == data
+    assert b"tok.en.value" in data and b"sk-ant-secret" in data
+    # the values are only in the data: not in a name, a label or an owner
+    assert "tok.en.value" not in str(secret["metadata"]) and "sk-ant-secret" not in str(secret["metadata"])
+
+
+def test_warm_assignment_defaults_to_async_and_refuses_an_unknown_mode_at_boot(tmp_path: Any) -> None:
+    from drivers.agent_sandbox_driver import new_agent_sandbox_provisioner
+
+    kubeconfig = tmp_path / "kubeconfig"  # read at construction; nothing connects
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: c, context: {cluster: k, user: u}}]\n"
+    )
+
+    def build(**options: str) -> Any:
+        opts = {"kubeconfig": str(kubeconfig), "warm_pool_size": "2", **options}
+        config = DriverConfig(**{**CONFIG.__dict__, "options": opts})
+        return new_agent_sandbox_provisioner(config, __import__("logging").getLogger("test"))
+
+    assert build().warm.assignment == "async"
+    assert build(warm_assignment="sync").warm.assignment == "sync"
+    with pytest.raises(ValueError, match="warm_assignment must be one of async, sync, got 'later'"):
+        build(warm_assignment="later")
+
+
 def test_the_assignment_file_round_trips_awkward_values_through_a_real_shell(tmp_path: Any) -> None:
     import subprocess
 

@@ -142,5 +142,8 @@ def test_bench_tiny_burst_measures_time_to_sandbox_for_every_driver(
         warm, "time_to_sandbox_p50_ms", "time_to_sandbox_p99_ms", "pool_fill_seconds", "pool_refill_seconds"
     )
     _positive(warm, "sequential_p50_ms", "sequential_p99_ms")
+    # async assignment (the default): every claim's runner got its secrets behind the outcome
+    assert warm["assignment"] == "async"
+    _positive(warm, "assigned_p50_ms", "sequential_assigned_p50_ms", "sequential_assigned_p99_ms")
     assert sum(warm["launches"].values()) == 6 and warm["adoption_misses"] == 0, warm  # burst + one by one
     assert "agent-sandbox warm, 3 creates one at a time on a full pool" in proc.stdout
