@@ -286,6 +286,9 @@ async def _warm_burst(
                 nonlocal refilling
                 refill["from"] = time.monotonic()
                 refilling = asyncio.create_task(until_full())
+                # warm_assignment=async: every runner gets its secrets before the burst is torn down
+                # (a deprovision cancels a delivery still running).
+                await warm.settled()
 
             result = await pod_burst(
                 env,
@@ -298,7 +301,6 @@ async def _warm_burst(
             )
             assert refilling is not None
             refill_s = await refilling
-            await warm.settled()  # warm_assignment=async: the secrets follow the outcome
             burst_assigned = list(warm.delivered_s)
             core: Any = client.CoreV1Api(api)
 
