@@ -209,19 +209,8 @@ class WarmPool:
         base = sandbox_base_name(scope, sandbox_id)
         started = time.monotonic()
         try:
-            await self.prepare()  # no extensions API or no RBAC for it: a miss, the cold path still works
-            await d.call(
-                f"create SandboxClaim {d.config.kubernetes_namespace}/{base}",
-                d.custom.create_namespaced_custom_object,
-                EXT_GROUP,
-                EXT_VERSION,
-                d.config.kubernetes_namespace,
-                CLAIMS,
-                claim_manifest(d.config, scope, sandbox_id, env),
-                env=env,
-                field_manager=FIELD_MANAGER,
-                tolerate=frozenset({409}),
-            )
+            # (no extensions API or no RBAC for it: a miss, the cold path still works)
+            await self._create_claim(scope, sandbox_id, env)
             sandbox = await self._wait_ready(base, started)
             if sandbox is None:
                 await self._miss(base, "not ready in time")

@@ -235,6 +235,39 @@ async def produce_inputs(bootstrap: str, topic: str, n: int, tag: str, show: boo
         await producer.stop()
 
 
+async def prepared_inputs(
+    bootstrap: str, prefix: str, partitions: int, n: int, show: bool
+) -> tuple[str, dict[str, str], Any, list[str]]:
+    """A fresh tag, its lane env, its topics (created) holding ``n`` ExecutionCreated, and the topic
+    names to delete afterwards."""
+    import uuid
+
+    from consumers.ops.settings import load_settings
+
+    tag = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    base = lane_env(bootstrap, tag, partitions, "exactly_once")
+    topics = load_settings(base).topics
+    await create_topics(bootstrap, topics, partitions)
+    await produce_inputs(bootstrap, topics.execution_created, n, tag, show)
+    return tag, base, topics, list(topics.all())
+
+
+def bench_lane_config() -> Any:
+    """The lane config of the rules figures: both lanes on CLOUD with per-queue routing, memory driver."""
+    from consumers.lanes.commands import LaneConfig
+    from consumers.lanes.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
+
+    return LaneConfig(
+        enabled=True,
+        agent=AgentExecutionTemporalConfig(activity_routing="session", default_execution_target="cloud"),
+        workflow=WorkflowExecutionTemporalConfig(
+            workflow_activity_routing="execution", default_execution_target="cloud"
+        ),
+        driver_name="memory",
+        source="sandbox-lanes/bench",
+    )
+
+
 # --- 2. the pod ---------------------------------------------------------------------------------
 
 

@@ -284,11 +284,11 @@ async def _warm_burst(
 
             async def start_refill_clock(_ids: list[str], _sent: dict[str, float]) -> None:
                 nonlocal refilling
+                # warm_assignment=async: every runner gets its secrets before the burst is torn down
+                # (a deprovision cancels a delivery still running); the pool refills from there.
+                await warm.settled()
                 refill["from"] = time.monotonic()
                 refilling = asyncio.create_task(until_full())
-                # warm_assignment=async: every runner gets its secrets before the burst is torn down
-                # (a deprovision cancels a delivery still running).
-                await warm.settled()
 
             result = await pod_burst(
                 env,
@@ -324,8 +324,8 @@ async def _warm_burst(
                 600,
                 one_at_a_time=True,
                 before_each=quiet_and_full,
+                after_provision=lambda _ids, _sent: warm.settled(),  # the last one's delivery too
             )
-            await warm.settled()
             sequential_assigned = warm.delivered_s[len(burst_assigned) :]
         finally:
             if refilling is not None and not refilling.done():

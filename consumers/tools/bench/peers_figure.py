@@ -19,20 +19,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import (
-    create_topics,
-    delete_topics,
-    lane_env,
-    produce_inputs,
-    running_pod,
-    summary,
-)
+from consumers.tools.bench.common import delete_topics, prepared_inputs, running_pod, summary
 
 #: (system, guarantee) → the peer module run as ``python -m`` (None = the pod itself, in process).
 SYSTEMS: tuple[tuple[str, str, str | None], ...] = (
@@ -199,16 +191,9 @@ async def _run_pod(base: dict[str, str], sink: str, guarantee: str, tag: str, n:
 
 
 async def measure_peers(args: argparse.Namespace, bootstrap: str, show: bool) -> dict[str, Any]:
-    from consumers.ops.settings import load_settings
-
-    tag = f"bench-peers-{uuid.uuid4().hex[:6]}"
-    base = lane_env(bootstrap, tag, args.partitions, "exactly_once")
-    topics = load_settings(base).topics
-    await create_topics(bootstrap, topics, args.partitions)
-    created: list[str] = list(topics.all())
     n = args.peer_events
+    tag, base, topics, created = await prepared_inputs(bootstrap, "bench-peers", args.partitions, n, show)
     source = topics.execution_created
-    await produce_inputs(bootstrap, source, n, tag, show)
     rates: dict[str, list[float]] = {}
     checks: dict[str, dict[str, int]] = {}
     errors: dict[str, str] = {}

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import created_event, summary
+from consumers.tools.bench.common import bench_lane_config, created_event, summary
 
 logger = logging.getLogger("sandbox_lanes.bench")
 
@@ -17,21 +17,12 @@ logger = logging.getLogger("sandbox_lanes.bench")
 
 
 def measure_rules(args: argparse.Namespace, show: bool) -> dict[str, Any]:
-    from consumers.lanes.commands import CommandResult, LaneConfig, StateView
-    from consumers.lanes.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
+    from consumers.lanes.commands import CommandResult, StateView
     from consumers.lanes.rules import complete, decide
     from events.codec import new_meta
     from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 
-    config = LaneConfig(
-        enabled=True,
-        agent=AgentExecutionTemporalConfig(activity_routing="session", default_execution_target="cloud"),
-        workflow=WorkflowExecutionTemporalConfig(
-            workflow_activity_routing="execution", default_execution_target="cloud"
-        ),
-        driver_name="memory",
-        source="sandbox-lanes/bench",
-    )
+    config = bench_lane_config()
     # Per execution: ExecutionCreated (→ ensure) then PhaseChanged RUNNING→COMPLETED (→ deprovision
     # for a workflow; nothing for an agent). Half agent (session lane), half workflow.
     executions = max(1, args.rules_events // 2)

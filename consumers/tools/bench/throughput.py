@@ -6,15 +6,12 @@ import argparse
 import asyncio
 import logging
 import time
-import uuid
 from typing import Any
 
 from consumers.ops.progress import progress
 from consumers.tools.bench.common import (
-    create_topics,
     delete_topics,
-    lane_env,
-    produce_inputs,
+    prepared_inputs,
     running_pod,
     summary,
 )
@@ -113,15 +110,8 @@ async def _pod_throughput(env: dict[str, str], n: int, max_batch: int, timeout_s
 
 
 async def measure_throughput(args: argparse.Namespace, bootstrap: str, show: bool) -> dict[str, Any]:
-    from consumers.ops.settings import load_settings
-
-    tag = f"bench-{uuid.uuid4().hex[:6]}"
-    base = lane_env(bootstrap, tag, args.partitions, "exactly_once")
-    topics = load_settings(base).topics
-    await create_topics(bootstrap, topics, args.partitions)
-    created: list[str] = list(topics.all())
     n = args.events
-    await produce_inputs(bootstrap, topics.execution_created, n, tag, show)
+    tag, base, topics, created = await prepared_inputs(bootstrap, "bench", args.partitions, n, show)
     plain: list[float] = []
     eos_x2: list[float] = []
     pod_eos: list[float] = []

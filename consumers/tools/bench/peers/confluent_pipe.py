@@ -8,32 +8,18 @@ import json
 import signal
 from typing import Any
 
-from consumers.tools.bench.peers.job import arguments, new_state
+from consumers.tools.bench.peers.job import arguments, confluent_clients, new_state
 
 
 def main() -> None:
-    from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+    from confluent_kafka import KafkaException, TopicPartition
 
     args = arguments(__doc__ or "")
     eos = args.guarantee == "exactly_once"
     changelog = f"{args.group}-changelog"
     stop = [False]
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
-    consumer = Consumer(
-        {
-            "bootstrap.servers": args.bootstrap,
-            "group.id": args.group,
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-            "isolation.level": "read_committed",
-        }
-    )
-    producer_conf: dict[str, Any] = {"bootstrap.servers": args.bootstrap, "linger.ms": 5}
-    if eos:
-        producer_conf["transactional.id"] = f"{args.group}-tx"
-    producer = Producer(producer_conf)
-    if eos:
-        producer.init_transactions()
+    consumer, producer = confluent_clients(args, transactional=eos)
     consumer.subscribe([args.source])
     state: dict[bytes, dict[str, Any]] = {}
     while not stop[0]:

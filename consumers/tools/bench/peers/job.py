@@ -47,6 +47,29 @@ def new_state(value: bytes, state: dict[str, Any] | None) -> tuple[dict[str, Any
     return new, encode(outcome, source=SOURCE).value
 
 
+def confluent_clients(args: argparse.Namespace, *, transactional: bool) -> tuple[Any, Any]:
+    """The confluent-kafka loops' group consumer (read_committed, manual offsets) and producer
+    (transactional: initialised, its offsets to be sent with the consumer's group metadata)."""
+    from confluent_kafka import Consumer, Producer
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": args.bootstrap,
+            "group.id": args.group,
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
+    )
+    options: dict[str, Any] = {"bootstrap.servers": args.bootstrap, "linger.ms": 5}
+    if transactional:
+        options["transactional.id"] = f"{args.group}-tx"
+    producer = Producer(options)
+    if transactional:
+        producer.init_transactions()
+    return consumer, producer
+
+
 def arguments(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--bootstrap", required=True)

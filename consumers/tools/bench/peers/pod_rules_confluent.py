@@ -13,45 +13,25 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from consumers.tools.bench.peers.job import arguments
+from consumers.tools.bench.peers.job import arguments, confluent_clients
 
 
 def main() -> None:
-    from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+    from confluent_kafka import KafkaException, TopicPartition
 
-    from consumers.lanes.commands import CommandResult, LaneConfig, StateView
-    from consumers.lanes.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
+    from consumers.lanes.commands import CommandResult, StateView
     from consumers.lanes.rules import complete, decide
+    from consumers.tools.bench.common import bench_lane_config
     from events.codec import decode_input, encode, state_key
     from events.sandbox_lanes.v1 import state_pb2
 
     args = arguments(__doc__ or "")
-    config = LaneConfig(
-        enabled=True,
-        agent=AgentExecutionTemporalConfig(activity_routing="session", default_execution_target="cloud"),
-        workflow=WorkflowExecutionTemporalConfig(
-            workflow_activity_routing="execution", default_execution_target="cloud"
-        ),
-        driver_name="memory",
-        source="sandbox-lanes/bench",
-    )
+    config = bench_lane_config()
     ok = CommandResult(ok=True, probe_state="running", token_minted=True)
     state_topic = f"{args.group}-changelog"
     stop = [False]
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
-    consumer = Consumer(
-        {
-            "bootstrap.servers": args.bootstrap,
-            "group.id": args.group,
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-            "isolation.level": "read_committed",
-        }
-    )
-    producer = Producer(
-        {"bootstrap.servers": args.bootstrap, "linger.ms": 5, "transactional.id": f"{args.group}-tx"}
-    )
-    producer.init_transactions()
+    consumer, producer = confluent_clients(args, transactional=True)
     consumer.subscribe([args.source])
     store: dict[str, bytes] = {}
     while not stop[0]:
