@@ -378,6 +378,9 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         if scope in WARM_SCOPES:  # a claim stands for it (also one left from a warm-enabled run)
             await self._delete_claim(base)
         self.last_ensured.pop(base, None)
+        lock = self._locks.get(base)
+        if lock is not None and not lock.locked():  # one lock per live sandbox, not per name ever seen
+            del self._locks[base]
         self._logger.info(
             "agent-sandbox sandbox deprovisioned", extra={"scope": scope, "id": sandbox_id, "sandbox": base}
         )

@@ -521,7 +521,10 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         assert restarted_driver.warm.missed == 1
         cold = await wait_for("the cold runner", lambda: running_runner_pod(core, ns, missed))
         assert runner_env_of(cold.metadata.name)["STIGMER_TOKEN"] == "tok.m"
+        miss_base = sandbox_base_name("workflow", missed)
+        assert miss_base in restarted_driver._locks
         await restarted_driver.deprovision("workflow", missed)
+        assert miss_base not in restarted_driver._locks  # no per-name lock outlives its sandbox
     finally:
         await driver.close()
         if restarted_driver is not None:
