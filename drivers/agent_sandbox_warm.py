@@ -112,10 +112,13 @@ def warm_pod_template(config: DriverConfig) -> dict[str, Any]:
     }
 
 
+POOL_NAME_PREFIX: Final = "stigmer-runner-warm-"
+
+
 def pool_name(config: DriverConfig) -> str:
     """One template and pool per runner template: a config change names a new pair."""
     digest = hashlib.sha256(json.dumps(warm_pod_template(config), sort_keys=True).encode()).hexdigest()
-    return f"stigmer-runner-warm-{digest[:10]}"
+    return f"{POOL_NAME_PREFIX}{digest[:10]}"
 
 
 def template_manifest(config: DriverConfig) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from drivers.agent_sandbox_warm import (
     EXT_GROUP,
     EXT_VERSION,
     LAUNCH_TYPE_LABEL,
+    POOL_NAME_PREFIX,
     POOLS,
     TEMPLATES,
     assigned_patch,
@@ -146,7 +147,41 @@ class WarmPool:
                     force=True,
                     _content_type=APPLY_CONTENT_TYPE,
                 )
+            await self._delete_stale_pairs()
             self._applied = True
+
+    async def _delete_stale_pairs(self) -> None:
+        """Delete the pools and templates of an earlier runner template (a config change names a new
+        pair): their warm pods would run for nothing. Sandboxes already claimed from them stay, since
+        adoption makes the claim their owner."""
+        d = self._driver
+        ns = d.config.kubernetes_namespace
+        for plural in (POOLS, TEMPLATES):
+            listed = await d.call(
+                f"list {plural} {ns}",
+                d.custom.list_namespaced_custom_object,
+                EXT_GROUP,
+                EXT_VERSION,
+                ns,
+                plural,
+                label_selector=f"{LABEL_MANAGED_BY}={MANAGED_BY_VALUE}",
+            )
+            for item in (listed or {}).get("items") or [] if isinstance(listed, dict) else []:
+                name = str((item.get("metadata") or {}).get("name", ""))
+                if name.startswith(POOL_NAME_PREFIX) and name != self.name:
+                    await d.call(
+                        f"delete {plural} {ns}/{name}",
+                        d.custom.delete_namespaced_custom_object,
+                        EXT_GROUP,
+                        EXT_VERSION,
+                        ns,
+                        plural,
+                        name,
+                        tolerate=frozenset({404}),
+                    )
+                    d.logger.info(
+                        "agent-sandbox stale warm pool object deleted", extra={"kind": plural, "name": name}
+                    )
 
     async def ready_replicas(self) -> int:
         d = self._driver

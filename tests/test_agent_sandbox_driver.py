@@ -529,3 +529,35 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         await driver.close()
         if restarted_driver is not None:
             await restarted_driver.close()
+
+
+async def test_a_changed_runner_template_deletes_the_previous_warm_pool_and_template(
+    kube_node: KubeNode, agent_sandbox: AgentSandboxController, node_admin: Any, node_namespace: str
+) -> None:
+    custom = client.CustomObjectsApi(node_admin)
+    ns = node_namespace
+    ext = ("extensions.agents.x-k8s.io", "v1beta1", ns)
+    before = new_agent_sandbox_provisioner(
+        node_driver_config(ns, kube_node.kubeconfig_path, warm_pool_size="1"), LOG
+    )
+    after = new_agent_sandbox_provisioner(
+        node_driver_config(ns, kube_node.kubeconfig_path, warm_pool_size="1", cpu_request="11m"), LOG
+    )
+    try:
+        assert before.warm is not None and after.warm is not None
+        old, new = before.warm.name, after.warm.name
+        assert old != new  # the runner template differs: a new pair
+        await before.warm.prepare()
+        for plural in ("sandboxwarmpools", "sandboxtemplates"):
+            custom.get_namespaced_custom_object(*ext, plural, old)  # there
+        await after.warm.prepare()
+        for plural in ("sandboxwarmpools", "sandboxtemplates"):
+            await wait_for(
+                f"the old {plural} to go",
+                lambda p=plural: gone(lambda: custom.get_namespaced_custom_object(*ext, p, old)),
+            )
+            assert custom.get_namespaced_custom_object(*ext, plural, new)["metadata"]["name"] == new
+        await wait_for("the new pool's sandbox", lambda: asyncio.run(after.warm.ready_replicas()) == 1)  # type: ignore[union-attr]
+    finally:
+        await before.close()
+        await after.close()
