@@ -325,7 +325,9 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
     ) -> str | None:
         """The warm path's arm: ``claimed`` (a live claim holds it), ``warm`` or ``claimed-cold`` (a
-        new claim adopted a pool sandbox, or the controller cold-started it); ``None``: go cold."""
+        new claim adopted a pool sandbox, or the controller cold-started it); ``None``: go cold.
+        With ``warm_assignment=async``: ``claimed`` or ``warm-claimed``, never ``None`` (the
+        delivery task takes a miss cold itself)."""
         assert self.warm is not None
         if self.warm.assignment == "async":
             return await self.warm.claim_async(scope, sandbox_id, env)
