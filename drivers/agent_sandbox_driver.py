@@ -435,16 +435,7 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         found: list[ManagedSandbox] = []
         claims: list[dict[str, Any]] = []
         if self.warm is not None:
-            page = await self._call(
-                f"list SandboxClaims in {self._ns}",
-                self._custom.list_namespaced_custom_object,
-                EXT_GROUP,
-                EXT_VERSION,
-                self._ns,
-                CLAIMS,
-                label_selector=MANAGED_SELECTOR,
-            )
-            claims = list((page or {}).get("items") or []) if isinstance(page, dict) else []
+            claims = await self.warm.list_ours(CLAIMS)
         for obj in [*await self._list(MANAGED_SELECTOR), *claims]:
             labels: Mapping[str, str] = (obj.get("metadata") or {}).get("labels") or {}
             scope, sandbox_id = labels.get(LABEL_SCOPE), labels.get(LABEL_SANDBOX_ID)

@@ -25,7 +25,6 @@ serves the workflow and connect scopes; a session keeps its cold Sandbox and its
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import shlex
@@ -39,7 +38,7 @@ from drivers.kubernetes_manifests import (
     WORKSPACE_DIR,
     WORKSPACE_VOLUME,
     runner_env,
-    secret_name,
+    sandbox_secret,
 )
 from drivers.naming import LABEL_MANAGED_BY, MANAGED_BY_VALUE, sandbox_base_name, sandbox_labels
 from drivers.runner_launch import runner_command
@@ -192,21 +191,16 @@ def assignment_secret_manifest(
 ) -> dict[str, Any]:
     """The claim's assignment kept for a later delivery: Secret ``<base>-env``, owned by the claim
     (deleted with it), mounted by no pod."""
-    base = sandbox_base_name(scope, sandbox_id)
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {
-            "name": secret_name(base),
-            "namespace": config.kubernetes_namespace,
-            "labels": sandbox_labels(scope, sandbox_id),
-            "ownerReferences": [
-                {"apiVersion": EXT_API_VERSION, "kind": "SandboxClaim", "name": base, "uid": claim_uid}
-            ],
-        },
-        "type": "Opaque",
-        "data": {ASSIGNMENT_SECRET_KEY: base64.b64encode(data).decode("ascii")},
-    }
+    secret = sandbox_secret(config, scope, sandbox_id, {ASSIGNMENT_SECRET_KEY: data})
+    secret["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": EXT_API_VERSION,
+            "kind": "SandboxClaim",
+            "name": sandbox_base_name(scope, sandbox_id),
+            "uid": claim_uid,
+        }
+    ]
+    return secret
 
 
 def assigned_patch() -> dict[str, Any]:

@@ -57,8 +57,8 @@ from drivers.agent_sandbox_warm import (
 )
 from drivers.contract import SandboxEnvironment, SandboxError, SandboxScope
 from drivers.kubernetes_driver import APPLY_CONTENT_TYPE, FIELD_MANAGER
-from drivers.kubernetes_manifests import CONTAINER_NAME, secret_name
-from drivers.naming import LABEL_MANAGED_BY, MANAGED_BY_VALUE, sandbox_base_name
+from drivers.kubernetes_manifests import CONTAINER_NAME, MANAGED_SELECTOR, secret_name
+from drivers.naming import sandbox_base_name
 
 if TYPE_CHECKING:
     from drivers.agent_sandbox_driver import AgentSandboxProvisioner
@@ -157,16 +157,7 @@ class WarmPool:
         d = self._driver
         ns = d.config.kubernetes_namespace
         for plural in (POOLS, TEMPLATES):
-            listed = await d.call(
-                f"list {plural} {ns}",
-                d.custom.list_namespaced_custom_object,
-                EXT_GROUP,
-                EXT_VERSION,
-                ns,
-                plural,
-                label_selector=f"{LABEL_MANAGED_BY}={MANAGED_BY_VALUE}",
-            )
-            for item in (listed or {}).get("items") or [] if isinstance(listed, dict) else []:
+            for item in await self.list_ours(plural):
                 name = str((item.get("metadata") or {}).get("name", ""))
                 if name.startswith(POOL_NAME_PREFIX) and name != self.name:
                     await d.call(
@@ -182,6 +173,21 @@ class WarmPool:
                     d.logger.info(
                         "agent-sandbox stale warm pool object deleted", extra={"kind": plural, "name": name}
                     )
+
+    async def list_ours(self, plural: str, tolerate: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
+        """The extensions' objects of kind ``plural`` in the namespace that carry our labels."""
+        d = self._driver
+        listed = await d.call(
+            f"list {plural} in {d.config.kubernetes_namespace}",
+            d.custom.list_namespaced_custom_object,
+            EXT_GROUP,
+            EXT_VERSION,
+            d.config.kubernetes_namespace,
+            plural,
+            label_selector=MANAGED_SELECTOR,
+            tolerate=tolerate,
+        )
+        return list((listed or {}).get("items") or []) if isinstance(listed, dict) else []
 
     async def ready_replicas(self) -> int:
         d = self._driver
@@ -419,18 +425,8 @@ class WarmPool:
         """Deliver the kept assignment of every claim of ours whose pod does not hold it yet (a
         restart between an ensure and its delivery); the number of deliveries started."""
         d = self._driver
-        listed = await d.call(
-            f"list SandboxClaims {d.config.kubernetes_namespace}",
-            d.custom.list_namespaced_custom_object,
-            EXT_GROUP,
-            EXT_VERSION,
-            d.config.kubernetes_namespace,
-            CLAIMS,
-            label_selector=f"{LABEL_MANAGED_BY}={MANAGED_BY_VALUE}",
-            tolerate=frozenset({404}),
-        )
         started = 0
-        for claim in (listed or {}).get("items") or [] if isinstance(listed, dict) else []:
+        for claim in await self.list_ours(CLAIMS, tolerate=frozenset({404})):
             meta = claim.get("metadata") or {}
             base = str(meta.get("name", ""))
             if (

@@ -5,6 +5,7 @@ Pure functions of the driver config and the sandbox; the driver applies them ser
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from typing import Any, Final
 
 from drivers.contract import (
@@ -70,21 +71,24 @@ def runner_env(config: DriverConfig, env: SandboxEnvironment) -> RunnerEnv:
 def secret_manifest(
     config: DriverConfig, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
 ) -> dict[str, Any]:
-    base = sandbox_base_name(scope, sandbox_id)
-    data = {
-        k: base64.b64encode(v.encode("utf-8")).decode("ascii")
-        for k, v in runner_env(config, env).secret.items()
-    }
+    data = {k: v.encode("utf-8") for k, v in runner_env(config, env).secret.items()}
+    return sandbox_secret(config, scope, sandbox_id, data)
+
+
+def sandbox_secret(
+    config: DriverConfig, scope: SandboxScope, sandbox_id: str, data: Mapping[str, bytes]
+) -> dict[str, Any]:
+    """A sandbox's Secret ``<base>-env``, labelled like the sandbox, holding ``data``."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {
-            "name": secret_name(base),
+            "name": secret_name(sandbox_base_name(scope, sandbox_id)),
             "namespace": config.kubernetes_namespace,
             "labels": sandbox_labels(scope, sandbox_id),
         },
         "type": "Opaque",
-        "data": data,
+        "data": {k: base64.b64encode(v).decode("ascii") for k, v in data.items()},
     }
 
 

@@ -80,6 +80,12 @@ def _json_patch(custom: Any, ns: str, name: str, ops: list[dict[str, Any]]) -> N
     )
 
 
+def runner_process_env(core: Any, ns: str, pod: str) -> dict[str, str]:
+    """The runner's own environment (PID 1's): what a warm runner exported from its assignment."""
+    out = pod_exec(core, ns, pod, ["/bin/sh", "-c", "tr '\\0' '\\n' < /proc/1/environ"])
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
 def _arms(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.__dict__["arm"] for r in caplog.records if r.getMessage() == LOG_ENSURED]
 
@@ -368,13 +374,11 @@ async def test_a_warm_claim_adopts_a_running_pool_sandbox_and_hands_it_the_secre
         assert sandbox["metadata"]["labels"]["agents.x-k8s.io/launch-type"] == "warm"
 
         # The runner started with its assignment: the queue from the annotation, the secrets from exec.
-        def runner_env_of() -> dict[str, str]:
-            out = pod_exec(core, ns, adopted, ["/bin/sh", "-c", "tr '\\0' '\\n' < /proc/1/environ"])
-            return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-
-        started_env = await wait_for("the runner to start", lambda: runner_env_of().get("STIGMER_TOKEN"))
+        started_env = await wait_for(
+            "the runner to start", lambda: runner_process_env(core, ns, adopted).get("STIGMER_TOKEN")
+        )
         assert started_env == token
-        inside = runner_env_of()
+        inside = runner_process_env(core, ns, adopted)
         assert inside["STIGMER_TASK_QUEUE"] == f"wfexec:{execution}"
         assert inside["ANTHROPIC_API_KEY"] == "sk-ant-node-secret"
         assert inside["STIGMER_TEMPORAL_API_KEY"] == "temporal-node-key"
@@ -436,10 +440,6 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
     restarted_driver: AgentSandboxProvisioner | None = None
     assert driver.warm is not None and driver.warm.assignment == "async"
 
-    def runner_env_of(pod: str) -> dict[str, str]:
-        out = pod_exec(core, ns, pod, ["/bin/sh", "-c", "tr '\\0' '\\n' < /proc/1/environ"])
-        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
-
     def annotations(name: str) -> dict[str, str]:
         found: dict[str, str] = _claim(custom, ns, name)["metadata"].get("annotations") or {}
         return found
@@ -468,10 +468,12 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         assert driver.warm.launches == {"warm": 1} and len(driver.warm.delivered_s) == 1
         adopted = _claim(custom, ns, base)["status"]["sandbox"]["name"]
         assert (
-            await wait_for("the runner to start", lambda: runner_env_of(adopted).get("STIGMER_TOKEN"))
+            await wait_for(
+                "the runner to start", lambda: runner_process_env(core, ns, adopted).get("STIGMER_TOKEN")
+            )
             == token
         )
-        assert runner_env_of(adopted)["STIGMER_TASK_QUEUE"] == f"wfexec:{execution}"
+        assert runner_process_env(core, ns, adopted)["STIGMER_TASK_QUEUE"] == f"wfexec:{execution}"
         # The secrets are kept in the claim's Secret only: not the claim, the Sandbox, the pod or an event.
         visible = str(_claim(custom, ns, base)) + str(_sandbox(custom, ns, adopted))
         visible += str(core.read_namespaced_pod(adopted, ns).to_dict())
@@ -492,7 +494,9 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         assert annotations(rbase).get("stigmer.ai/assigned") == "true"
         radopted = _claim(custom, ns, rbase)["status"]["sandbox"]["name"]
         assert (
-            await wait_for("the recovered runner", lambda: runner_env_of(radopted).get("STIGMER_TOKEN"))
+            await wait_for(
+                "the recovered runner", lambda: runner_process_env(core, ns, radopted).get("STIGMER_TOKEN")
+            )
             == "tok.restart.x"
         )
 
@@ -520,7 +524,7 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         assert _arms(caplog)[-2:] == ["warm-claimed", "created"], _arms(caplog)
         assert restarted_driver.warm.missed == 1
         cold = await wait_for("the cold runner", lambda: running_runner_pod(core, ns, missed))
-        assert runner_env_of(cold.metadata.name)["STIGMER_TOKEN"] == "tok.m"
+        assert runner_process_env(core, ns, cold.metadata.name)["STIGMER_TOKEN"] == "tok.m"
         miss_base = sandbox_base_name("workflow", missed)
         assert miss_base in restarted_driver._locks
         await restarted_driver.deprovision("workflow", missed)

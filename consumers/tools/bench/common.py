@@ -10,7 +10,7 @@ import os
 import platform
 import statistics
 import subprocess
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
@@ -192,6 +192,36 @@ async def create_topics(bootstrap: str, topics: Any, partitions: int) -> None:
                 await asyncio.sleep(0.25)
     finally:
         await admin.close()
+
+
+@contextlib.asynccontextmanager
+async def kafka_admin(bootstrap: str) -> AsyncIterator[Any]:
+    """An admin client for the block (a failing close is not the figure's business)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        yield admin
+    finally:
+        with contextlib.suppress(Exception):
+            await admin.close()
+
+
+async def create_topic(
+    bootstrap: str, name: str, partitions: int, config: Mapping[str, str] | None = None
+) -> None:
+    """One bench topic (replication 1), with topic ``config`` if given."""
+    from aiokafka.admin import NewTopic
+
+    async with kafka_admin(bootstrap) as admin:
+        await admin.create_topics(
+            [
+                NewTopic(
+                    name, num_partitions=partitions, replication_factor=1, topic_configs=dict(config or {})
+                )
+            ]
+        )
 
 
 async def delete_topics(bootstrap: str, names: list[str]) -> None:

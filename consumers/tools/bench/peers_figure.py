@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -24,7 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import delete_topics, prepared_inputs, running_pod, summary
+from consumers.tools.bench.common import (
+    create_topic,
+    delete_topics,
+    kafka_admin,
+    prepared_inputs,
+    running_pod,
+    summary,
+)
 
 #: (system, guarantee) → the peer module run as ``python -m`` (None = the pod itself, in process).
 SYSTEMS: tuple[tuple[str, str, str | None], ...] = (
@@ -63,35 +69,16 @@ def installed(system: str) -> bool:
     return importlib.util.find_spec(PEER_DISTS[system]) is not None
 
 
-async def _admin(bootstrap: str) -> Any:
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    return admin
+#: Sinks stamped by the broker: a system's span is measured on one clock, the broker's.
+SINK_CONFIG = {"message.timestamp.type": "LogAppendTime"}
+CHANGELOG_CONFIG = {"cleanup.policy": "compact"}
 
 
-async def _create_sink(bootstrap: str, name: str, partitions: int, *, compacted: bool = False) -> None:
-    from aiokafka.admin import NewTopic
-
-    config = {"message.timestamp.type": "LogAppendTime"}
-    if compacted:
-        config = {"cleanup.policy": "compact"}
-    admin = await _admin(bootstrap)
-    try:
-        await admin.create_topics([NewTopic(name, partitions, 1, topic_configs=config)])
-    finally:
-        await admin.close()
-
-
-async def _committed(bootstrap: str, group: str, topic: str) -> int:
-    admin = await _admin(bootstrap)
+async def _committed(admin: Any, group: str, topic: str) -> int:
     try:
         offsets = await admin.list_consumer_group_offsets(group)
     except Exception:  # the group may not exist yet
         return 0
-    finally:
-        await admin.close()
     return sum(meta.offset for tp, meta in offsets.items() if tp.topic == topic and meta.offset > 0)
 
 
@@ -99,14 +86,15 @@ async def _wait_committed(
     bootstrap: str, group: str, topic: str, n: int, timeout_s: float, alive: Callable[[], None]
 ) -> None:
     deadline = time.monotonic() + timeout_s
-    while True:
-        alive()
-        done = await _committed(bootstrap, group, topic)
-        if done >= n:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{group} committed {done}/{n} input offsets in {timeout_s:.0f}s")
-        await asyncio.sleep(0.25)
+    async with kafka_admin(bootstrap) as admin:
+        while True:
+            alive()
+            done = await _committed(admin, group, topic)
+            if done >= n:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{group} committed {done}/{n} input offsets in {timeout_s:.0f}s")
+            await asyncio.sleep(0.25)
 
 
 async def read_sink(bootstrap: str, topic: str, partitions: int) -> SinkReading:
@@ -209,7 +197,7 @@ async def measure_peers(args: argparse.Namespace, bootstrap: str, show: bool) ->
                     sink = f"{tag}.{system}-{guarantee}-{r}"
                     group = f"{tag}-{system}-{guarantee}-{r}"
                     created.append(sink)
-                    await _create_sink(bootstrap, sink, args.partitions)
+                    await create_topic(bootstrap, sink, args.partitions, SINK_CONFIG)
                     run: Awaitable[Any]
                     if module is None:
                         run = _run_pod({**base, "SANDBOX_LANES_GROUP_ID": group}, sink, guarantee,
@@ -217,8 +205,8 @@ async def measure_peers(args: argparse.Namespace, bootstrap: str, show: bool) ->
                     else:
                         if system in ("confluent", "pod-rules-confluent"):
                             created.append(f"{group}-changelog")
-                            await _create_sink(bootstrap, f"{group}-changelog", args.partitions,
-                                               compacted=True)  # fmt: skip
+                            await create_topic(bootstrap, f"{group}-changelog", args.partitions,
+                                               CHANGELOG_CONFIG)  # fmt: skip
                         run = _run_peer(module, bootstrap, source, sink, group, guarantee,
                                         args.partitions, n, timeout)  # fmt: skip
                     try:
@@ -264,14 +252,11 @@ async def measure_peers(args: argparse.Namespace, bootstrap: str, show: bool) ->
 
 async def _peer_internal_topics(bootstrap: str, tag: str) -> list[str]:
     """The changelog and repartition topics the frameworks made for themselves (names carry the tag)."""
-    admin = await _admin(bootstrap)
-    try:
-        names = await admin.list_topics()
-    except Exception:
-        return []
-    finally:
-        with contextlib.suppress(Exception):
-            await admin.close()
+    async with kafka_admin(bootstrap) as admin:
+        try:
+            names = await admin.list_topics()
+        except Exception:
+            return []
     return [t for t in names if tag in t]
 
 

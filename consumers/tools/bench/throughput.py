@@ -10,6 +10,7 @@ from typing import Any
 
 from consumers.ops.progress import progress
 from consumers.tools.bench.common import (
+    create_topic,
     delete_topics,
     prepared_inputs,
     running_pod,
@@ -123,7 +124,7 @@ async def measure_throughput(args: argparse.Namespace, bootstrap: str, show: boo
                 # Interleaved, so drift in the machine's load hits every variant alike.
                 sink = f"{tag}.pipe-{r}"
                 created.append(sink)
-                await _create_sink(bootstrap, sink, args.partitions)
+                await create_topic(bootstrap, sink, args.partitions)
                 plain.append(
                     await _pipe(
                         bootstrap, topics.execution_created, sink, n, group=f"{tag}-pipe-{r}",
@@ -133,7 +134,7 @@ async def measure_throughput(args: argparse.Namespace, bootstrap: str, show: boo
                 bar.advance()
                 sink2 = f"{tag}.pipe-eos-{r}"
                 created.append(sink2)
-                await _create_sink(bootstrap, sink2, args.partitions)
+                await create_topic(bootstrap, sink2, args.partitions)
                 eos_x2.append(
                     await _pipe(
                         bootstrap, topics.execution_created, sink2, n, group=f"{tag}-pipe-eos-{r}",
@@ -180,14 +181,3 @@ async def measure_throughput(args: argparse.Namespace, bootstrap: str, show: boo
             "ratio_exactly_once_vs_eos_pipe": summary([p / c for p, c in zip(pod_eos, eos_x2, strict=True)]),
         },
     }
-
-
-async def _create_sink(bootstrap: str, name: str, partitions: int) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
-    finally:
-        await admin.close()
