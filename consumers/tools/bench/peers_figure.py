@@ -82,7 +82,7 @@ async def _committed(admin: Any, group: str, topic: str) -> int:
     return sum(meta.offset for tp, meta in offsets.items() if tp.topic == topic and meta.offset > 0)
 
 
-async def _wait_committed(
+async def wait_committed(
     bootstrap: str, group: str, topic: str, n: int, timeout_s: float, alive: Callable[[], None]
 ) -> None:
     deadline = time.monotonic() + timeout_s
@@ -125,16 +125,23 @@ async def read_sink(bootstrap: str, topic: str, partitions: int) -> SinkReading:
     return SinkReading(records, len(seen), first, last)
 
 
-async def _run_peer(
+def peer_command(module: str, bootstrap: str, source: str, sink: str, group: str, guarantee: str,
+                 partitions: int, state_dir: str) -> list[str]:  # fmt: skip
+    return [
+        sys.executable, "-m", module, "--bootstrap", bootstrap, "--source", source, "--sink", sink,
+        "--group", group, "--guarantee", guarantee, "--partitions", str(partitions),
+        "--state-dir", state_dir,
+    ]  # fmt: skip
+
+
+async def run_peer(
     module: str, bootstrap: str, source: str, sink: str, group: str, guarantee: str,
-    partitions: int, n: int, timeout_s: float,
+    partitions: int, n: int, timeout_s: float, state_dir: str | None = None,
 ) -> None:  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="sandbox-lanes-peer-") as state_dir:
-        cmd = [
-            sys.executable, "-m", module, "--bootstrap", bootstrap, "--source", source, "--sink", sink,
-            "--group", group, "--guarantee", guarantee, "--partitions", str(partitions),
-            "--state-dir", state_dir,
-        ]  # fmt: skip
+    """Run a peer until its group has committed ``n`` input offsets, then stop it (SIGTERM)."""
+    with tempfile.TemporaryDirectory(prefix="sandbox-lanes-peer-") as scratch:
+        state_dir = state_dir or scratch
+        cmd = peer_command(module, bootstrap, source, sink, group, guarantee, partitions, state_dir)
         with tempfile.TemporaryFile() as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=state_dir,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
@@ -146,7 +153,7 @@ async def _run_peer(
                     raise RuntimeError(f"{module} exited {proc.returncode}: {tail}")
 
             try:
-                await _wait_committed(bootstrap, group, source, n, timeout_s, alive)
+                await wait_committed(bootstrap, group, source, n, timeout_s, alive)
             finally:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -170,7 +177,7 @@ async def _run_pod(base: dict[str, str], sink: str, guarantee: str, tag: str, n:
     }
     created.extend((f"{sink}.state", f"{sink}.dlq"))
     async with running_pod(env, max_batch) as pod:
-        await _wait_committed(base["KAFKA_BOOTSTRAP_SERVERS"], group,
+        await wait_committed(base["KAFKA_BOOTSTRAP_SERVERS"], group,
                               base["SANDBOX_LANES_TOPIC_EXECUTION_CREATED"], n, timeout_s,
                               lambda: None)  # fmt: skip
         if pod.stats.dead_lettered:
@@ -207,7 +214,7 @@ async def measure_peers(args: argparse.Namespace, bootstrap: str, show: bool) ->
                             created.append(f"{group}-changelog")
                             await create_topic(bootstrap, f"{group}-changelog", args.partitions,
                                                CHANGELOG_CONFIG)  # fmt: skip
-                        run = _run_peer(module, bootstrap, source, sink, group, guarantee,
+                        run = run_peer(module, bootstrap, source, sink, group, guarantee,
                                         args.partitions, n, timeout)  # fmt: skip
                     try:
                         await run
@@ -224,7 +231,7 @@ async def measure_peers(args: argparse.Namespace, bootstrap: str, show: bool) ->
                     prev["missing"] += max(n - reading.distinct, 0)
                     bar.advance()
     finally:
-        await delete_topics(bootstrap, created + await _peer_internal_topics(bootstrap, tag))
+        await delete_topics(bootstrap, created + await peer_internal_topics(bootstrap, tag))
     out: dict[str, Any] = {
         "events": n,
         "partitions": args.partitions,
@@ -250,7 +257,7 @@ async def measure_peers(args: argparse.Namespace, bootstrap: str, show: bool) ->
     return out
 
 
-async def _peer_internal_topics(bootstrap: str, tag: str) -> list[str]:
+async def peer_internal_topics(bootstrap: str, tag: str) -> list[str]:
     """The changelog and repartition topics the frameworks made for themselves (names carry the tag)."""
     async with kafka_admin(bootstrap) as admin:
         try:

@@ -137,7 +137,11 @@ async def measure_restore(args: argparse.Namespace, bootstrap: str, show: bool) 
 
     tag = f"bench-{uuid.uuid4().hex[:6]}"
     ctx = multiprocessing.get_context("spawn")
-    out: dict[str, Any] = {"compression": STATE_COMPRESSION, "sizes": {}}
+    out: dict[str, Any] = {
+        "compression": STATE_COMPRESSION,
+        "state_value_bytes": len(_state_template().SerializeToString()),
+        "sizes": {},
+    }
     loop = asyncio.get_running_loop()
     for n in args.restore_sizes:
         topic = f"{tag}.state-{n}"

@@ -139,6 +139,9 @@ async def _main(args: argparse.Namespace, bootstrap: str | None, only: set[str])
             await timed("peers", lambda: measure_peers(args, bootstrap, show))
         if "restore" in only:
             await timed("restore", lambda: measure_restore(args, bootstrap, show))
+            from consumers.tools.bench.peers_restore import measure_quix_restore
+
+            await timed("restore_quix", lambda: measure_quix_restore(args, bootstrap, show))
         if "burst" in only:
             from consumers.tools.bench.burst import measure_burst
 

@@ -93,6 +93,7 @@ def render_table(doc: dict[str, Any]) -> str:
                 rows.append((f"5. restore {label} executions, seconds", *cells(fig["seconds"], " s"), goal_t))
                 rows.append((f"   restore {label}, records/s", *cells(fig["records_per_s"]), ""))
                 rows.append((f"   restore {label}, peak RSS", *cells(fig["rss_peak_mib"], " MiB"), goal_m))
+                rows.extend(_quix_restore_rows(figs.get("restore_quix"), size, label))
     drv = figs.get("drivers")
     if drv is not None:
         for name, fig in drv.items():
@@ -133,3 +134,19 @@ def render_table(doc: dict[str, Any]) -> str:
 
 def goal(met: bool, text: str) -> str:
     return f"{text} {'met' if met else 'MISSED'}"
+
+
+def _quix_restore_rows(quix: dict[str, Any] | None, size: str, label: str) -> list[tuple[str, str, str, str]]:
+    """Quix Streams restoring the same number of keys, under the pod's rows of that size."""
+    if quix is None:
+        return []
+    if "error" in quix:
+        return [(f"   Quix Streams restore {label}", "error", str(quix["error"])[:160], "")]
+    fig = quix["sizes"].get(size)
+    if fig is None:
+        return []
+    return [
+        (f"   Quix Streams restore {label} keys (RocksDB), seconds", *cells(fig["seconds"], " s"), ""),
+        (f"   Quix Streams restore {label}, records/s", *cells(fig["records_per_s"]), ""),
+        (f"   Quix Streams restore {label}, peak RSS", *cells(fig["rss_peak_mib"], " MiB"), ""),
+    ]

@@ -79,4 +79,5 @@ def arguments(description: str) -> argparse.Namespace:
     parser.add_argument("--guarantee", choices=("exactly_once", "at_least_once"), default="exactly_once")
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--state-dir", default="", help="where a peer keeps local state")
+    parser.add_argument("--log-level", default="WARNING", help="the framework's log level")
     return parser.parse_args()

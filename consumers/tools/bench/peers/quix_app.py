@@ -19,7 +19,7 @@ def main() -> None:
         auto_offset_reset="earliest",
         processing_guarantee="exactly-once" if args.guarantee == "exactly_once" else "at-least-once",
         state_dir=args.state_dir,
-        loglevel=logging.WARNING,
+        loglevel=logging.getLevelName(args.log_level),
     )
     source = app.topic(args.source, key_deserializer="bytes", value_deserializer="bytes")
     sink = app.topic(args.sink, key_serializer="bytes", value_serializer="bytes")
