@@ -13,7 +13,8 @@ Figures (every one bounded, repeated ``--repeats`` times, reported as median and
    generator and the collector run in a child process so they do not share the pod's event loop.
 4. ``rules``    — pure ``decide`` + ``complete`` per input event, no I/O, one core.
 5. ``restore``  — state-store restore from the compacted topic for 10k/100k/1M executions, in a child
-   process (its peak RSS is the restore's own, from ``VmHWM``).
+   process (its peak RSS is the restore's own, from ``VmHWM``); beside it, Quix Streams restoring the
+   same number of keys (up to 100k) from its changelog (``peers_restore``, the ``[bench]`` extra).
 6. ``drivers``  — ensure (absent → running) and re-ensure (running → fast path) latency of the
    local-process driver (``drivers/stub_runner.py``) and the docker driver (a private dockerd from
    ``devtools/harness/dockerd.py`` with the imported busybox image). A driver that cannot start is reported as
