@@ -43,7 +43,7 @@ from drivers.local_process import new_local_process_provisioner
 from events.codec import encode
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 from tests.chaos_verify import Verdict, read_all, verify, wait_caught_up, wait_effects_folded
-from tests.chaos_workload import LANE_ENV, Workload, expectations, generate, lane_config
+from tests.chaos_workload import LANE_ENV, Workload, expected_from_plan, generate
 from tests.pod_harness import ROOT, PodProcess, unique_env
 from tests.proc_util import processes_under
 
@@ -379,7 +379,7 @@ async def one_run(
     )
     settings = load_settings(env)
     topics = settings.topics
-    expected = expectations(workload, lane_config(env))
+    expected = expected_from_plan(workload)
     all_ids = {p.event.meta.event_id for p in workload.all_records()}
     out(
         f"[{guarantee}] {opts.executions} executions, {workload.counts['events']} records, driver {opts.driver}, "

@@ -1,9 +1,9 @@
-"""The chaos workload: a seeded, realistic input stream and what the pure rules say must come of it.
+"""The chaos workload: a seeded, realistic input stream and what the spec says must come of it.
 
 Pure (no I/O): ``generate`` plans every record to produce (time offset + event + why), and
-``expectations`` folds each key's planned history through ``consumers.lanes.rules.decide``/``complete``
-to say which outcome every input must have, which inputs must be dead-lettered, and which
-sandboxes must be gone at the end.
+``expected_from_plan`` says, from the plan and the spec's lane rules written out in it (never from
+the pod's own rules), which outcome every input must have, which inputs must be dead-lettered, and
+which sandboxes must be gone at the end.
 """
 
 from __future__ import annotations
@@ -11,15 +11,11 @@ from __future__ import annotations
 import datetime as dt
 import random
 from collections import defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from consumers.lanes.commands import CommandResult, Deprovision, Ensure, LaneConfig, StateView
-from consumers.lanes.rules import complete, decide
-from consumers.ops.settings import load_settings
-from events.codec import InputEvent, new_meta, state_key
-from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
+from events.codec import InputEvent, new_meta
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 
 Why = Literal["valid", "duplicate", "retry", "early"]
 
@@ -230,11 +226,6 @@ def generate(
 # --- expectations ---------------------------------------------------------------------------------
 
 
-def lane_config(env: Mapping[str, str]) -> LaneConfig:
-    settings = load_settings({**env, **LANE_ENV})
-    return LaneConfig(enabled=True, agent=settings.agent, workflow=settings.workflow, driver_name="chaos")
-
-
 @dataclass
 class Expected:
     provision: dict[str, str] = field(default_factory=dict)
@@ -254,44 +245,83 @@ class Expected:
     deleted_sessions: set[str] = field(default_factory=set)
 
 
-def expectations(workload: Workload, config: LaneConfig) -> Expected:
-    """Fold every record, in the order the pod sees each key's records, through the pure rules.
+def expected_from_plan(workload: Workload) -> Expected:
+    """What must come of the plan, from the spec's lane rules written out here (not the pod's code).
 
-    A session's delete comes seconds after its last record (creates and phase changes), so the
-    plan's order between a session's record and its executions' is the pod's too.
+    Records are taken in the order the pod applies each key's records (early ones first, then the
+    plan by time; a session's delete comes seconds after its last record). Per the spec, with
+    :data:`LANE_ENV` (session routing per session, workflow routing per execution; an unspecified
+    session target is CLOUD, an unspecified workflow target LOCAL):
+
+    * an input whose id the key already applied is a duplicate: no outcome;
+    * a phase change before its execution's create is dead-lettered;
+    * the first create of an execution provisions when its lane resolves to CLOUD: an agent run
+      with a session, no task-queue override and its session not deleted; a workflow run; a second
+      create (a producer retry under a new id) changes nothing;
+    * a workflow's transition INTO a terminal phase tears its sandbox down (a repeated terminal
+      phase is no transition); an agent's terminal phase tears nothing down;
+    * a session's delete tears its session sandbox down;
+    * every applied phase change's non-empty error is listed (the first one must survive), and
+      the phase an execution ends in is its last applied phase change's (PENDING after a create).
     """
-    states: dict[str, state_pb2.ExecutionState | None] = {}
+    cloud_sessions = LANE_ENV["STIGMER_DEFAULT_EXECUTION_TARGET"] == "cloud"
+    cloud_workflows = LANE_ENV["STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET"] == "cloud"
+    assert LANE_ENV["STIGMER_ACTIVITY_ROUTING"] == "session"
+    assert LANE_ENV["STIGMER_WORKFLOW_ACTIVITY_ROUTING"] == "execution"
     expected = Expected()
-    ok = CommandResult(ok=True, probe_state="running")
-    # Early records are produced (and dead-lettered) before anything else.
+    applied: dict[str, set[str]] = defaultdict(set)
+    created: set[str] = set()
+    deleted: set[str] = set()
     for item in workload.all_records():
-        key = state_key(item.event)
-        state = states.get(key)
-        decision = decide(item.event, StateView(state, states.get), config)
-        event_id = item.event.meta.event_id
-        if decision.reject is not None:
+        event = item.event
+        event_id = event.meta.event_id
+        if isinstance(event, inputs_pb2.SessionDeleted):
+            key = event.session_id
+            if event_id in applied[key]:
+                continue
+            applied[key].add(event_id)
+            deleted.add(key)
+            expected.teardown[event_id] = key
+            expected.deleted_sessions.add(key)
+            continue
+        key = event.execution_id
+        if event_id in applied[key]:
+            continue
+        if isinstance(event, inputs_pb2.ExecutionCreated):
+            applied[key].add(event_id)
+            if key in created:
+                continue  # a second create: a no-op
+            created.add(key)
+            expected.phase[key] = P.EXECUTION_PENDING
+            expected.kind[key] = event.kind
+            if event.kind == P.AGENT_EXECUTION:
+                target = event.session_execution_target
+                cloud = target == P.CLOUD or (target == P.EXECUTION_TARGET_UNSPECIFIED and cloud_sessions)
+                if (
+                    event.session_id
+                    and not event.activity_task_queue
+                    and event.session_id not in deleted
+                    and cloud
+                ):
+                    expected.provision[event_id] = key
+            else:
+                target = event.workflow_execution_target
+                if target == P.CLOUD or (target == P.EXECUTION_TARGET_UNSPECIFIED and cloud_workflows):
+                    expected.provision[event_id] = key
+                    expected.provisioning_workflows.add(key)
+            continue
+        if key not in created:
             expected.dead_letters.add(event_id)
             continue
-        if decision.duplicate or decision.state is None:
-            continue
-        for command in decision.commands:
-            if isinstance(command, Ensure):
-                expected.provision[event_id] = key
-                if command.scope == "workflow":
-                    expected.provisioning_workflows.add(key)
-            elif isinstance(command, Deprovision):
-                expected.teardown[event_id] = key
-                if command.scope == "workflow":
-                    expected.terminal_workflows.add(key)
-                else:
-                    expected.deleted_sessions.add(key)
-        event = item.event
-        if isinstance(event, inputs_pb2.PhaseChanged) and event.error:
+        applied[key].add(event_id)
+        if event.error:
             expected.errors.setdefault(key, []).append(event.error)
-        outcome = complete(decision, [ok] * len(decision.commands), config)
-        state = outcome.state
-        states[key] = state
-        if isinstance(event, inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged):
-            expected.phase[key] = state.phase if state is not None else 0
-            expected.kind[key] = event.kind
+        previous, expected.phase[key] = expected.phase[key], event.new_phase
+        if (
+            event.kind == P.WORKFLOW_EXECUTION
+            and event.new_phase in TERMINALS
+            and previous != event.new_phase
+        ):
+            expected.teardown[event_id] = key
+            expected.terminal_workflows.add(key)
     return expected
