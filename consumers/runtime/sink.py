@@ -16,12 +16,6 @@ metadata), so one transactional id per pod would not fence.
 broker). Writes are awaited, then offsets are committed. A crash between the
 two re-runs the records: outputs re-appear with the SAME deterministic event ids
 (``ce_id``), so downstream de-duplicates by id.
-
-A transaction's records are appended to one aiokafka batch per topic partition
-(``create_batch`` / ``send_batch``) instead of one ``send`` each: ``send`` costs a
-future, a metadata wait and an accumulator call per record, which the profile
-of the exactly_once bench put at a fifth of the pod's CPU. Keyed records go
-where ``send`` would put them (the default partitioner, murmur2 of the key).
 """
 
 from __future__ import annotations
@@ -32,8 +26,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.partitioner import DefaultPartitioner
-from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.structs import OffsetAndMetadata
 
 from events.codec import EncodedRecord
@@ -64,10 +56,6 @@ class BatchSink:
         self._guarantee = guarantee
         self._sequential = sequential
         self._futures: list[asyncio.Future[object]] = []
-        #: The open batch per (topic, partition), sent when full or at commit.
-        self._batches: dict[tuple[str, int], BatchBuilder] = {}
-        #: Partitions per topic, sorted (the partitioner's ``all_partitions``), read once per transaction.
-        self._partitions: dict[str, list[int]] = {}
         self._open = False
 
     @property
@@ -79,8 +67,6 @@ class BatchSink:
             await self.producer.begin_transaction()
         self._open = True
         self._futures = []
-        self._batches = {}
-        self._partitions = {}
 
     async def send(self, topic: str, record: EncodedRecord, partition: int | None = None) -> None:
         if self._sequential:
@@ -89,33 +75,13 @@ class BatchSink:
                 topic, record.value, key=record.key, headers=record.headers, partition=partition
             )
             return
-        if partition is None:
-            partition = await self._partition_of(topic, record.key)
-        where = (topic, partition)
-        batch = self._batches.get(where)
-        if batch is None:
-            batch = self._batches[where] = self.producer.create_batch()
-        if batch.append(key=record.key, value=record.value, timestamp=None, headers=record.headers) is None:
-            # Full: it goes now (order within the partition kept), the record opens the next one.
-            await self._send_batch(where, batch)
-            batch = self._batches[where] = self.producer.create_batch()
-            batch.append(key=record.key, value=record.value, timestamp=None, headers=record.headers)
+        future = await self.producer.send(
+            topic, record.value, key=record.key, headers=record.headers, partition=partition
+        )
+        self._futures.append(future)
 
-    async def _partition_of(self, topic: str, key: bytes | None) -> int:
-        partitions = self._partitions.get(topic)
-        if partitions is None:
-            partitions = self._partitions[topic] = sorted(await self.producer.partitions_for(topic))
-        return int(DefaultPartitioner()(key, partitions, partitions))
-
-    async def _send_batch(self, where: tuple[str, int], batch: BatchBuilder) -> None:
-        batch.close()
-        self._futures.append(await self.producer.send_batch(batch, where[0], partition=where[1]))
-
-    async def flush(self) -> None:
-        """Send the open batches and wait until the broker has every write of the transaction."""
-        batches, self._batches = self._batches, {}
-        for where, batch in batches.items():
-            await self._send_batch(where, batch)
+    async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
+        """Make the writes durable together with the input offsets (next offset to read)."""
         if self._futures:
             futures, self._futures = self._futures, []
             # Every result retrieved (a fenced producer fails them all), the first failure raised.
@@ -123,10 +89,6 @@ class BatchSink:
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
-
-    async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
-        """Make the writes durable together with the input offsets (next offset to read)."""
-        await self.flush()
         if self._guarantee == "exactly_once":
             if offsets:
                 await self.producer.send_offsets_to_transaction(
@@ -141,7 +103,6 @@ class BatchSink:
         if not self._open:
             return
         self._open = False
-        self._batches = {}
         for future in self._futures:
             if future.done():
                 if not future.cancelled():
