@@ -295,18 +295,15 @@ def expected_from_plan(workload: Workload) -> Expected:
             expected.phase[key] = P.EXECUTION_PENDING
             expected.kind[key] = event.kind
             if event.kind == P.AGENT_EXECUTION:
-                target = event.session_execution_target
-                cloud = target == P.CLOUD or (target == P.EXECUTION_TARGET_UNSPECIFIED and cloud_sessions)
                 if (
                     event.session_id
                     and not event.activity_task_queue
                     and event.session_id not in deleted
-                    and cloud
+                    and _cloud(event.session_execution_target, cloud_sessions)
                 ):
                     expected.provision[event_id] = key
             else:
-                target = event.workflow_execution_target
-                if target == P.CLOUD or (target == P.EXECUTION_TARGET_UNSPECIFIED and cloud_workflows):
+                if _cloud(event.workflow_execution_target, cloud_workflows):
                     expected.provision[event_id] = key
                     expected.provisioning_workflows.add(key)
             continue
@@ -325,3 +322,8 @@ def expected_from_plan(workload: Workload) -> Expected:
             expected.teardown[event_id] = key
             expected.terminal_workflows.add(key)
     return expected
+
+
+def _cloud(target: int, default_is_cloud: bool) -> bool:
+    """An execution target resolved: CLOUD, or unspecified with the lane's default CLOUD."""
+    return target == P.CLOUD or (target == P.EXECUTION_TARGET_UNSPECIFIED and default_is_cloud)

@@ -99,29 +99,19 @@ async def wait_committed(
 
 async def read_sink(bootstrap: str, topic: str, partitions: int) -> SinkReading:
     """Every committed record of ``topic``: count, distinct values, first and last append time."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import TopicPartition
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                                enable_auto_commit=False)  # fmt: skip
-    await consumer.start()
-    try:
-        parts = [TopicPartition(topic, p) for p in range(partitions)]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        ends = await consumer.end_offsets(parts)
-        seen: set[bytes] = set()
-        records = 0
-        first = last = 0
-        while [tp for tp in parts if await consumer.position(tp) < ends[tp]]:
-            batch = await consumer.getmany(timeout_ms=500, max_records=5000)
-            for recs in batch.values():
-                for rec in recs:
-                    records += 1
-                    seen.add(rec.value or b"")
-                    first = rec.timestamp if not first else min(first, rec.timestamp)
-                    last = max(last, rec.timestamp)
-    finally:
-        await consumer.stop()
+    from consumers.runtime.topic_reader import read_to_end
+
+    seen: set[bytes] = set()
+    records = 0
+    first = last = 0
+    async for _, recs in read_to_end(bootstrap, [TopicPartition(topic, p) for p in range(partitions)]):
+        for rec in recs:
+            records += 1
+            seen.add(rec.value or b"")
+            first = rec.timestamp if not first else min(first, rec.timestamp)
+            last = max(last, rec.timestamp)
     return SinkReading(records, len(seen), first, last)
 
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 from consumers.ops.progress import progress
@@ -48,34 +50,27 @@ def _status_kib(pid: int, field: str) -> int:
 
 async def _changelog_keys(bootstrap: str, topic: str, partitions: int) -> tuple[int, float]:
     """Distinct keys committed to ``topic`` and the mean value size in bytes."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import TopicPartition
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, isolation_level="read_committed",
-                                enable_auto_commit=False)  # fmt: skip
-    await consumer.start()
-    try:
-        parts = [TopicPartition(topic, p) for p in range(partitions)]  # Quix's: the source's count
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        ends = await consumer.end_offsets(parts)
-        keys: set[bytes] = set()
-        size = records = 0
-        while [tp for tp in parts if await consumer.position(tp) < ends[tp]]:
-            batch = await consumer.getmany(timeout_ms=500, max_records=10_000)
-            for recs in batch.values():
-                for rec in recs:
-                    keys.add(rec.key or b"")
-                    size += len(rec.value or b"")
-                    records += 1
-    finally:
-        await consumer.stop()
+    from consumers.runtime.topic_reader import read_to_end
+
+    keys: set[bytes] = set()
+    size = records = 0
+    # Quix's changelog has the source topic's partition count.
+    async for _, recs in read_to_end(bootstrap, [TopicPartition(topic, p) for p in range(partitions)]):
+        for rec in recs:
+            keys.add(rec.key or b"")
+            size += len(rec.value or b"")
+            records += 1
     return len(keys), size / max(records, 1)
 
 
-async def _restore_once(cmd: list[str], partitions: int, timeout_s: float) -> dict[str, float]:
+async def _restore_once(
+    command: Callable[[str], list[str]], partitions: int, timeout_s: float
+) -> dict[str, float]:
     """One Quix start on an empty state directory: restore seconds and peak RSS, from its own log."""
     with tempfile.TemporaryDirectory(prefix="sandbox-lanes-quix-restore-") as state_dir:
-        argv = [*cmd, "--state-dir", state_dir, "--log-level", "INFO"]
+        argv = [*command(state_dir), "--log-level", "INFO"]
         proc = await asyncio.create_subprocess_exec(
             *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, cwd=state_dir,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -136,13 +131,13 @@ async def measure_quix_restore(args: argparse.Namespace, bootstrap: str, show: b
             keys, value_bytes = await _changelog_keys(bootstrap, changelogs[0], args.partitions)
             if keys != n:
                 raise RuntimeError(f"Quix's changelog holds {keys} keys, not {n}")
-            cmd = peer_command(QUIX_MODULE, bootstrap, source, sink, group, "exactly_once",
-                               args.partitions, "")  # fmt: skip
-            cmd = cmd[: cmd.index("--state-dir")]  # each restore gets its own empty directory
+            # Each restore gets its own empty state directory.
+            command = functools.partial(peer_command, QUIX_MODULE, bootstrap, source, sink, group,
+                                        "exactly_once", args.partitions)  # fmt: skip
             runs: list[dict[str, float]] = []
             with progress(f"quix restore {n:,}", args.repeats, enabled=show) as bar:
                 for _ in range(args.repeats):
-                    runs.append(await _restore_once(cmd, args.partitions, max(120.0, n / 500)))
+                    runs.append(await _restore_once(command, args.partitions, max(120.0, n / 500)))
                     bar.advance()
         finally:
             with contextlib.suppress(Exception):
