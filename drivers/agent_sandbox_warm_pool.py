@@ -278,6 +278,7 @@ class WarmPool:
         d = self._driver
         base = sandbox_base_name(scope, sandbox_id)
         data = assignment_file(d.config, env)
+        started = time.monotonic()  # the adoption window and time to sandbox count from the claim's create
         # Create first (the common case costs one call); a 409 is a live claim or one on its way out.
         claim = await self._create_claim(scope, sandbox_id, env)
         arm = "warm-claimed"
@@ -305,7 +306,7 @@ class WarmPool:
             _content_type=APPLY_CONTENT_TYPE,
         )
         fallback = (scope, sandbox_id, env) if arm == "warm-claimed" else None
-        self._start_delivery(base, data, fallback)
+        self._start_delivery(base, data, fallback, started)
         return arm
 
     async def _create_claim(
@@ -329,24 +330,35 @@ class WarmPool:
         return created if isinstance(created, dict) else None
 
     def _start_delivery(
-        self, base: str, data: bytes, fallback: tuple[SandboxScope, str, SandboxEnvironment] | None
+        self,
+        base: str,
+        data: bytes,
+        fallback: tuple[SandboxScope, str, SandboxEnvironment] | None,
+        started: float | None = None,
     ) -> None:
         old = self._deliveries.pop(base, None)
         if old is not None:
             old.cancel()
-        task = asyncio.create_task(self._deliver(base, data, fallback), name=f"agent-sandbox-assign-{base}")
+        since = time.monotonic() if started is None else started
+        task = asyncio.create_task(
+            self._deliver(base, data, fallback, since), name=f"agent-sandbox-assign-{base}"
+        )
         self._deliveries[base] = task
         task.add_done_callback(
             lambda t: self._deliveries.pop(base, None) if self._deliveries.get(base) is t else None
         )
 
     async def _deliver(
-        self, base: str, data: bytes, fallback: tuple[SandboxScope, str, SandboxEnvironment] | None
+        self,
+        base: str,
+        data: bytes,
+        fallback: tuple[SandboxScope, str, SandboxEnvironment] | None,
+        started: float,
     ) -> None:
         """Wait for the claim's pod, hand it the secrets, mark the claim; a miss goes cold (when this
-        process still holds the ensure's environment) or is logged for the operator."""
+        process still holds the ensure's environment) or is logged for the operator. ``started`` is
+        when the claim was created (or, after a restart, when its delivery began)."""
         d = self._driver
-        started = time.monotonic()
         try:
             sandbox = await self._wait_ready(base, started)
             reason = "not ready in time"
