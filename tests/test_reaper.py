@@ -145,12 +145,66 @@ def test_plan_reap_rules() -> None:
         [_sb("workflow", "wfx_refused", created_at=990)], {"wfx_refused": refused}, now, grace
     )
     assert (plan.verdict, plan.reason) == ("reap", "execution refused (create)")
+    # A terminal execution whose own teardown is decided and not folded back yet is the lane's to
+    # remove: a reap would race it and report the removal twice. Once folded, the rule applies.
+    tearing = _state("wfx_tearing", phase=common_pb2.EXECUTION_COMPLETED)
+    tearing.pending.add(
+        op=state_pb2.EFFECT_OP_DEPROVISION, scope=common_pb2.SANDBOX_SCOPE_WORKFLOW, sandbox_id="wfx_tearing"
+    )
+    listed = [_sb("workflow", "wfx_tearing", created_at=990)]
+    (plan,) = plan_reap(listed, {"wfx_tearing": tearing}, now, grace)
+    assert (plan.verdict, plan.reason) == (
+        "keep",
+        "execution terminal (EXECUTION_COMPLETED), its teardown in flight",
+    )
+    other_sandbox = _state("wfx_tearing", phase=common_pb2.EXECUTION_COMPLETED)
+    other_sandbox.pending.add(
+        op=state_pb2.EFFECT_OP_DEPROVISION, scope=common_pb2.SANDBOX_SCOPE_SESSION, sandbox_id="wfx_tearing"
+    )
+    ensuring = _state("wfx_tearing", phase=common_pb2.EXECUTION_COMPLETED)
+    ensuring.pending.add(
+        op=state_pb2.EFFECT_OP_ENSURE, scope=common_pb2.SANDBOX_SCOPE_WORKFLOW, sandbox_id="wfx_tearing"
+    )
+    for not_its_teardown in (other_sandbox, ensuring):
+        (plan,) = plan_reap(listed, {"wfx_tearing": not_its_teardown}, now, grace)
+        assert plan.verdict == "reap", plan
     # The removal event's id is deterministic per (scope, id, creation time).
     lane = LaneConfig(enabled=True, driver_name="local-process")
     one, two = reaped_event(plans["wfx_done"], lane, 1.0), reaped_event(plans["wfx_done"], lane, 2.0)
     assert one.meta.event_id == two.meta.event_id and one.execution_id == "wfx_done"
     other = plan_reap([_sb("workflow", "wfx_done", created_at=991)], states, now, grace)[0]
     assert reaped_event(other, lane, 1.0).meta.event_id != one.meta.event_id
+
+
+async def test_a_candidate_gone_since_the_listing_is_not_reaped_again() -> None:
+    """The listing precedes the state read, so a lane's teardown can remove a candidate in between:
+    nothing is deprovisioned and no SandboxReaped is written for it. A live one is removed."""
+    from consumers.runtime.topology import Topics
+    from consumers.tools.reaper import Reaper, ReapResult
+    from drivers.memory import MemoryProvisioner
+
+    class Outcomes:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        async def send_and_wait(self, topic: str, value: bytes, **_: Any) -> None:
+            self.sent.append(value)
+
+    provisioner = MemoryProvisioner()
+    await provisioner.ensure("workflow", "wfx_still_here", SandboxEnvironment(task_queue="wfexec:x"))
+    reaper = Reaper(provisioner, "127.0.0.1:9", Topics(), LaneConfig(enabled=True, driver_name="memory"))
+    now, grace = 1000.0, 600.0
+    done = {k: _state(k, phase=common_pb2.EXECUTION_COMPLETED) for k in ("wfx_gone", "wfx_still_here")}
+    plans = plan_reap([_sb("workflow", k, created_at=990) for k in done], done, now, grace)
+    results = [ReapResult(p) for p in plans]
+    outcomes = Outcomes()
+    for result in results:
+        await reaper._remove(result, outcomes)  # type: ignore[arg-type]
+    by_id = {r.plan.sandbox.sandbox_id: r for r in results}
+    assert (by_id["wfx_gone"].removed, by_id["wfx_gone"].event_id, by_id["wfx_gone"].error) == (False, "", "")
+    assert by_id["wfx_still_here"].removed and by_id["wfx_still_here"].event_id
+    assert [c.sandbox_id for c in provisioner.calls if c.op == "deprovision"] == ["wfx_still_here"]
+    assert len(outcomes.sent) == 1
 
 
 # --- real parts ----------------------------------------------------------------------------------

@@ -11,14 +11,19 @@ writes the same id).
 Rules, per listed sandbox:
 
 * workflow: reap when its execution's phase is terminal (COMPLETED, FAILED,
-  CANCELLED, TERMINATED), or when no state exists for it and the sandbox is older
-  than the grace period; keep a live non-terminal execution's sandbox.
+  CANCELLED, TERMINATED) and the lane's own teardown of it is not in flight (a
+  deprovision decided and not folded back yet: the lane removes it and reports it),
+  or when no state exists for it and the sandbox is older than the grace period;
+  keep a live non-terminal execution's sandbox.
 * session: reap when a ``SessionDeleted`` was applied (state keyed by the session
   id whose session record is DEPROVISIONED or TEARDOWN_FAILED) and no agent
   execution provisioned it again afterwards, or when no state references the
   session at all and the sandbox is older than the grace period.
 * connect: never (the lanes do not create connect sandboxes).
 * an age the driver cannot tell never counts as "past grace".
+* a candidate the driver no longer finds when its removal starts (the listing is
+  older than the state read; a lane's teardown may have run in between) is left
+  alone: no second removal, no ``SandboxReaped``.
 
 Only what ``list_managed()`` returns is ever considered, and drivers list by the
 ``stigmer.ai/managed-by`` label: a runtime object without our labels is never touched.
@@ -158,8 +163,20 @@ def _plan_workflow(
         # terminal phase will ever tear down what a half-done ensure left.
         return ReapPlan(sandbox, "reap", "execution refused (create)", eid, state.phase, age)
     if state.phase in TERMINAL_WORKFLOW_PHASES:
+        if _teardown_pending(state, common_pb2.SANDBOX_SCOPE_WORKFLOW, eid):
+            # The lane's own teardown is decided and not folded back yet: it owns the removal (and
+            # its SandboxDeprovisioned outcome); a reap now would race it and report it twice.
+            why = f"execution terminal ({phase_name}), its teardown in flight"
+            return ReapPlan(sandbox, "keep", why, eid, state.phase, age)
         return ReapPlan(sandbox, "reap", f"execution terminal ({phase_name})", eid, state.phase, age)
     return ReapPlan(sandbox, "keep", f"execution live ({phase_name})", eid, state.phase, age)
+
+
+def _teardown_pending(state: state_pb2.ExecutionState, scope: int, sandbox_id: str) -> bool:
+    return any(
+        e.op == state_pb2.EFFECT_OP_DEPROVISION and e.scope == scope and e.sandbox_id == sandbox_id
+        for e in state.pending
+    )
 
 
 def _plan_session(
@@ -325,6 +342,14 @@ class Reaper:
     async def _remove(self, result: ReapResult, producer: AIOKafkaProducer) -> None:
         sb = result.plan.sandbox
         try:
+            # The listing is older than the state read: a lane's teardown may have removed the
+            # sandbox in between. Gone now is nothing to reap, and no SandboxReaped claims otherwise.
+            if await self.provisioner.probe(sb.scope, sb.sandbox_id) == "absent":
+                logger.info(
+                    "Reaper candidate already gone",
+                    extra={"scope": sb.scope, "sandboxId": sb.sandbox_id, "sandboxName": sb.name},
+                )
+                return
             await asyncio.wait_for(
                 self.provisioner.deprovision(sb.scope, sb.sandbox_id), self.teardown_timeout_s
             )
