@@ -390,13 +390,16 @@ class WarmPool:
                     _content_type="application/merge-patch+json",
                     tolerate=frozenset({404}),
                 )
-                took = time.monotonic() - started
                 launch = str(
                     ((sandbox.get("metadata") or {}).get("labels") or {}).get(LAUNCH_TYPE_LABEL) or "cold"
                 )
-                self.metrics.time_to_sandbox.labels(launch).observe(took)
-                self.launches[launch] = self.launches.get(launch, 0) + 1
-                self.delivered_s.append(took)
+                if fallback is not None:
+                    # A claim this ensure created: one launch, timed from its create. A delivery to
+                    # a live claim again (a re-run ensure, a restart's recovery) is neither.
+                    took = time.monotonic() - started
+                    self.metrics.time_to_sandbox.labels(launch).observe(took)
+                    self.launches[launch] = self.launches.get(launch, 0) + 1
+                    self.delivered_s.append(took)
                 d.logger.info(
                     "agent-sandbox warm assignment delivered", extra={"sandbox": base, "launch": launch}
                 )

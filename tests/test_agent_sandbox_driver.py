@@ -480,6 +480,12 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         visible += str(core.list_namespaced_event(ns).to_dict())
         for secret in (token, "sk-ant-node-secret", "temporal-node-key"):
             assert secret not in visible
+        # An ensure again (a re-run decision) delivers to the live claim: no second launch.
+        again = SandboxEnvironment(f"wfexec:{execution}", token)
+        assert await driver.ensure("workflow", execution, again) == "running"
+        await driver.warm.settled()
+        assert _arms(caplog)[-1] == "claimed"
+        assert driver.warm.launches == {"warm": 1} and len(driver.warm.delivered_s) == 1
 
         # 2. A driver that stops between an ensure and its delivery: the next one delivers the kept Secret.
         restarted = f"wfx_restart_{uuid.uuid4().hex[:8]}"
