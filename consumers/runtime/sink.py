@@ -90,11 +90,15 @@ class BatchSink:
                 if isinstance(result, BaseException):
                     raise result
         if self._guarantee == "exactly_once":
-            if offsets:
-                await self.producer.send_offsets_to_transaction(
-                    {tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()}, self._group_id
-                )
-            await self.producer.commit_transaction()
+            try:
+                if offsets:
+                    await self.producer.send_offsets_to_transaction(
+                        {tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()}, self._group_id
+                    )
+                await self.producer.commit_transaction()
+            except Exception:
+                retrieve_transaction_error(self.producer)
+                raise
         elif offsets:
             await self._consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()})
         self._open = False
@@ -112,6 +116,20 @@ class BatchSink:
         self._futures = []
         if self._guarantee == "exactly_once":
             await self.producer.abort_transaction()
+
+
+def retrieve_transaction_error(producer: AIOKafkaProducer) -> None:
+    """Mark a failed transaction's own waiter as seen.
+
+    A producer whose sender failed (fenced, or dead) sets the error on the transaction's waiter
+    as well as on the call that raised it. After a fence nothing awaits that waiter (no commit or
+    abort follows), and asyncio would log "Future exception was never retrieved" at ERROR when
+    it is collected, for an error the pod has already handled.
+    """
+    manager = getattr(producer, "_txn_manager", None)
+    waiter = manager.wait_for_transaction_end() if manager is not None else None
+    if isinstance(waiter, asyncio.Future) and waiter.done() and not waiter.cancelled():
+        waiter.exception()
 
 
 class PartitionSinks:
@@ -181,6 +199,7 @@ class PartitionSinks:
         gone = [self._sinks.pop(p) for p in list(partitions) if p in self._sinks]
         if self._guarantee == "exactly_once":
             for sink in gone:
+                retrieve_transaction_error(sink.producer)
                 with contextlib.suppress(Exception):
                     await sink.producer.stop()
 
