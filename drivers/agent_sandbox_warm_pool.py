@@ -289,6 +289,7 @@ class WarmPool:
             else:
                 if claim is not None:
                     await self._gone(base)
+                started = time.monotonic()  # the window is the new claim's, not the old one's exit
                 claim = await self._create_claim(scope, sandbox_id, env) or await self.read_claim(base)
         if claim is None:
             raise SandboxError(f"agent-sandbox SandboxClaim {base} was created but cannot be read")
