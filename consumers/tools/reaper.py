@@ -341,18 +341,23 @@ class Reaper:
 
     async def _remove(self, result: ReapResult, producer: AIOKafkaProducer) -> None:
         sb = result.plan.sandbox
-        try:
+
+        async def remove() -> bool:
             # The listing is older than the state read: a lane's teardown may have removed the
             # sandbox in between. Gone now is nothing to reap, and no SandboxReaped claims otherwise.
             if await self.provisioner.probe(sb.scope, sb.sandbox_id) == "absent":
+                return False
+            await self.provisioner.deprovision(sb.scope, sb.sandbox_id)
+            return True
+
+        try:
+            # One bound for the probe and the removal: neither may hold the pass up.
+            if not await asyncio.wait_for(remove(), self.teardown_timeout_s):
                 logger.info(
                     "Reaper candidate already gone",
                     extra={"scope": sb.scope, "sandboxId": sb.sandbox_id, "sandboxName": sb.name},
                 )
                 return
-            await asyncio.wait_for(
-                self.provisioner.deprovision(sb.scope, sb.sandbox_id), self.teardown_timeout_s
-            )
         except Exception as exc:
             result.error = error_message(exc) if not isinstance(exc, TimeoutError) else "teardown timed out"
             logger.error(
