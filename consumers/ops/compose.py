@@ -63,6 +63,9 @@ def pod_config(settings: Settings) -> PodConfig:
         driver_concurrency=settings.driver_concurrency,
         max_batch=settings.max_batch,
         transaction_timeout_ms=settings.transaction_timeout_ms,
+        dead_letter_attempts=settings.dead_letter_attempts,
+        max_clock_ahead_s=settings.max_clock_ahead_s,
+        state_retention_s=settings.state_retention_s,
         create_topics=settings.create_topics,
         security=settings.kafka_security,
     )

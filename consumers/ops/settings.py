@@ -108,6 +108,21 @@ SETTINGS: tuple[Setting, ...] = (
         "SANDBOX_LANES_TOPIC_STATE", "sandbox-lanes-state", "compacted execution state (key = execution id)"
     ),
     Setting("SANDBOX_LANES_TOPIC_DLQ", "sandbox-lanes-dlq", "dead letters (reason in header dlq_reason)"),
+    Setting(
+        "SANDBOX_LANES_DEAD_LETTER_ATTEMPTS",
+        "3",
+        "attempts of a record whose transaction fails the same way each time (size, encoding) before it is dead-lettered",
+    ),
+    Setting(
+        "SANDBOX_LANES_MAX_CLOCK_AHEAD_S",
+        "300",
+        "how far an input's occurred_at may be ahead of its record timestamp before it is dead-lettered",
+    ),
+    Setting(
+        "SANDBOX_LANES_STATE_RETENTION_S",
+        "604800",
+        "age (since its last input) at which a finished execution's state is tombstoned (0 = kept for ever)",
+    ),
     Setting("SANDBOX_LANES_SESSION_TIMEOUT_MS", "10000", "consumer group session timeout"),
     Setting("SANDBOX_LANES_SHUTDOWN_TIMEOUT_S", "30", "bound on graceful shutdown after SIGTERM"),
     Setting("SANDBOX_LANES_ENSURE_TIMEOUT_S", "120", "bound on one driver ensure"),
@@ -476,6 +491,9 @@ class Settings:
     driver_concurrency: int
     max_batch: int
     transaction_timeout_ms: int
+    dead_letter_attempts: int
+    max_clock_ahead_s: float
+    state_retention_s: float
     ensure_timeout_s: float
     teardown_timeout_s: float
     provisioner_type: str
@@ -615,6 +633,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         driver_concurrency=_int(env, "SANDBOX_LANES_DRIVER_CONCURRENCY", 1),
         max_batch=_int(env, "SANDBOX_LANES_MAX_BATCH", 1),
         transaction_timeout_ms=_int(env, "SANDBOX_LANES_TRANSACTION_TIMEOUT_MS", 1000),
+        dead_letter_attempts=_int(env, "SANDBOX_LANES_DEAD_LETTER_ATTEMPTS", 1),
+        max_clock_ahead_s=_float(env, "SANDBOX_LANES_MAX_CLOCK_AHEAD_S"),
+        state_retention_s=_int(env, "SANDBOX_LANES_STATE_RETENTION_S", 0),
         ensure_timeout_s=_float(env, "SANDBOX_LANES_ENSURE_TIMEOUT_S"),
         teardown_timeout_s=_float(env, "SANDBOX_LANES_TEARDOWN_TIMEOUT_S"),
         provisioner_type=provisioner_type,

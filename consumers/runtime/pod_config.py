@@ -29,6 +29,13 @@ class PodConfig:
     shutdown_timeout_s: float = 30.0
     transaction_timeout_ms: int = 15_000
     create_topics: bool = True
+    #: Attempts of a record whose transaction fails deterministically (size, encoding, a bug)
+    #: before it is dead-lettered; failures of the world (broker, fence, timeout) retry for ever.
+    dead_letter_attempts: int = 3
+    #: How far an input's ``occurred_at`` may run ahead of its record timestamp (clock skew).
+    max_clock_ahead_s: float = 300.0
+    #: A finished execution's state is tombstoned this long after its last input (0 = never).
+    state_retention_s: float = 604_800.0
     #: Driver calls running at once across executions (calls for one sandbox run one at a time).
     driver_concurrency: int = 32
     #: TLS / SASL of every Kafka client the pod opens.
