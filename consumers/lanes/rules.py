@@ -279,14 +279,20 @@ def _decide_phase_changed(
         # ensure succeeded: a refused recover leaves the execution FAILED, error and all.
         state.status_error = ""
         state.deferred_status_error = ""
+        for entry in state.pending:
+            if entry.op == state_pb2.EFFECT_OP_ENSURE and not entry.critical:
+                # A session ensure decided before this recover and still out: upstream's pre-stamp
+                # of its failure landed before the recover, which cleared it. It stamps nothing.
+                entry.recover = True
     error = event.error
-    if error and not state.status_error:
+    if error:
         if _session_ensure_pending(state):
             # The pending ensure's failure pre-stamp would have won upstream (it stamps before
-            # the execution moves on): this error waits for the ensure to complete.
+            # the execution moves on), or a recover's clears the error before this one: this
+            # error waits for the ensure to complete.
             if not state.deferred_status_error:
                 state.deferred_status_error = error
-        else:
+        elif not state.status_error:
             state.status_error = error
     if previous == new_phase:
         return Decision(event, state)  # no transition (e.g. FAILED -> FAILED re-sent): nothing fires
@@ -315,7 +321,9 @@ def _earlier(a: Timestamp, b: Timestamp) -> bool:
 
 
 def _session_ensure_pending(state: state_pb2.ExecutionState) -> bool:
-    return any(e.op == state_pb2.EFFECT_OP_ENSURE and not e.critical for e in state.pending)
+    """An ensure is out whose completion writes status_error: a session ensure (its pre-stamp) or a
+    workflow recover's (its success clears the error): a phase error waits behind it."""
+    return any(e.op == state_pb2.EFFECT_OP_ENSURE and (not e.critical or e.recover) for e in state.pending)
 
 
 def _decide_session_deleted(
@@ -488,8 +496,9 @@ def _complete_ensure(
         if command.critical:
             state.refused = False  # a sandbox exists now: its terminal phase must tear it down
             if recover:
-                state.status_error = ""  # the recover went through: upstream persists it error-free
-                state.deferred_status_error = ""
+                # The recover went through: upstream persists it error-free. An error deferred
+                # behind this ensure came after the recover and is stamped next (by _fold).
+                state.status_error = ""
         return provisioned, ()
     error = result.error
     failed = outcomes_pb2.SandboxFailed()
