@@ -2,9 +2,10 @@
 
 Standard library only, so CI can call it before anything else is installed::
 
-    python devtools/harness/kube_apiserver.py build        # compile all four once into the cache (idempotent)
+    python devtools/harness/kube_apiserver.py build        # compile all five once into the cache (idempotent)
     python devtools/harness/kube_apiserver.py start        # etcd + kube-apiserver; prints kubeconfig paths
     python devtools/harness/kube_apiserver.py stop         # stop what ``start`` left running
+    python devtools/harness/kube_apiserver.py path kubectl # print a built binary's path
 
 Build
     ``go install k8s.io/kubernetes/cmd/kube-apiserver@vX`` is refused by the go
@@ -15,9 +16,11 @@ Build
     go.mod with its published ``v0.<minor>.<patch>`` tag, then ``go build`` the
     command packages. Everything is fetched through the Go module proxy. One
     ``go build`` makes all of ``COMMANDS`` (the single-node cluster of
-    ``harness.kube_node`` needs the other three); they land in
+    ``harness.kube_node`` needs the other three servers, and ``kubectl`` applies the
+    shipped kustomize overlays as the README says); they land in
     ``$SANDBOX_LANES_CACHE/kube-<version>/`` (default cache root
-    ``~/.cache/sandbox-lanes``), outside the repository.
+    ``~/.cache/sandbox-lanes``), outside the repository. A cache that holds some of
+    them (one built before a command was added) builds only the missing ones.
 
 Start
     Like controller-runtime's envtest: etcd on free loopback ports with a temp
@@ -61,9 +64,11 @@ def kube_version() -> str:
     return os.environ.get("SANDBOX_LANES_KUBE_VERSION", DEFAULT_VERSION)
 
 
-#: Built together in one ``go build``: the apiserver alone for the API-only tests, and the
-#: controller-manager, scheduler and kubelet for the single-node cluster (``harness.kube_node``).
-COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet")
+#: Built together in one ``go build``: the apiserver alone for the API-only tests, the
+#: controller-manager, scheduler and kubelet for the single-node cluster (``harness.kube_node``),
+#: and kubectl (``cmd/kubectl``, with its kustomize) for ``kubectl apply -k`` of the shipped overlays.
+COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubelet", "kubectl")
+KUBECTL = "kubectl"
 
 
 def binary_dir(version: str | None = None) -> Path:
@@ -75,10 +80,18 @@ def binary_path(version: str | None = None, command: str = "kube-apiserver") -> 
     return binary_dir(version) / command
 
 
+def kubectl_path(version: str | None = None) -> Path:
+    """The kubectl built from the same Kubernetes source as the servers (``build``)."""
+    return binary_path(version, KUBECTL)
+
+
+def _built(version: str, command: str) -> bool:
+    path = binary_path(version, command)
+    return path.is_file() and os.access(path, os.X_OK)
+
+
 def _all_built(version: str) -> bool:
-    return all(
-        binary_path(version, c).is_file() and os.access(binary_path(version, c), os.X_OK) for c in COMMANDS
-    )
+    return all(_built(version, c) for c in COMMANDS)
 
 
 def _staging_version(version: str) -> str:
@@ -129,6 +142,7 @@ def build(version: str | None = None) -> Path:
         return out_dir
     if shutil.which("go") is None:
         raise SystemExit("the go toolchain is required to build kubernetes")
+    missing = [c for c in COMMANDS if not _built(version, c)]
     work = out_dir / "build-module"
     work.mkdir(parents=True, exist_ok=True)
     env = _go_env()
@@ -164,17 +178,24 @@ def build(version: str | None = None) -> Path:
         [
             "-s",
             "-w",
-            f"-X k8s.io/component-base/version.gitVersion={version}",
-            f"-X k8s.io/component-base/version.gitMajor={version.split('.')[0].lstrip('v')}",
-            f"-X k8s.io/component-base/version.gitMinor={version.split('.')[1]}",
-            "-X k8s.io/component-base/version.gitTreeState=clean",
+            *[
+                flag
+                # component-base for the servers, client-go for `kubectl version` (as hack/lib/version.sh)
+                for pkg in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+                for flag in (
+                    f"-X {pkg}.gitVersion={version}",
+                    f"-X {pkg}.gitMajor={version.split('.')[0].lstrip('v')}",
+                    f"-X {pkg}.gitMinor={version.split('.')[1]}",
+                    f"-X {pkg}.gitTreeState=clean",
+                )
+            ],
         ]
     )
     partial = out_dir / "partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
-    # One go build of all four: they share most packages, so this costs about what the
-    # apiserver alone did.
+    # One go build of all five (or of the missing ones): they share most packages, so this costs
+    # about what the apiserver alone did.
     _run(
         [
             "go",
@@ -185,17 +206,17 @@ def build(version: str | None = None) -> Path:
             f"-ldflags={ldflags}",
             "-o",
             str(partial) + "/",
-            *[f"k8s.io/kubernetes/cmd/{c}" for c in COMMANDS],
+            *[f"k8s.io/kubernetes/cmd/{c}" for c in missing],
         ],
         work,
         env,
     )
-    for c in COMMANDS:
+    for c in missing:
         (partial / c).chmod(0o755)
         (partial / c).replace(out_dir / c)
     partial.rmdir()
     elapsed = time.monotonic() - started
-    print(f"built kubernetes {version} ({', '.join(COMMANDS)}) in {elapsed:.0f}s: {out_dir}", flush=True)
+    print(f"built kubernetes {version} ({', '.join(missing)}) in {elapsed:.0f}s: {out_dir}", flush=True)
     return out_dir
 
 
@@ -293,6 +314,16 @@ class KubeApiServer:
     def ca_path(self) -> Path:
         assert self.workdir is not None, "not started"
         return self.workdir / "pki" / "ca.crt"
+
+    def kubectl(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        """``kubectl <args>`` (the harness's build) as admin against this server; never raises on exit."""
+        return subprocess.run(
+            [str(kubectl_path()), f"--kubeconfig={self.kubeconfig_path}", *args],
+            capture_output=True,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            timeout=timeout,
+        )
 
     def __enter__(self) -> KubeApiServer:
         self.start()
@@ -595,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--version", default=None, help=f"kubernetes version (default {DEFAULT_VERSION})")
     sub.add_parser("start", help="start etcd + kube-apiserver in the background")
     sub.add_parser("stop", help="stop what `start` started")
-    sub.add_parser("path", help="print the binary path")
+    p = sub.add_parser("path", help="print a binary's path (default kube-apiserver)")
+    p.add_argument("command", nargs="?", default="kube-apiserver", choices=COMMANDS)
     args = parser.parse_args(argv)
     if args.cmd == "build":
         build(args.version)
@@ -604,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_start()
     if args.cmd == "stop":
         return cmd_stop()
-    print(binary_path())
+    print(binary_path(command=args.command))
     return 0
 
 
