@@ -4,9 +4,10 @@
   `docker-compose config`; scripts/bootstrap.sh installs it), and its pod + producer flow is run
   for real: `sandbox-lanes run` with the compose pod's environment against the real Kafka broker,
   then `sandbox-lanes produce compose/producer/sample-events.yaml` and `sandbox-lanes tail`.
-* The manifests are server-side dry-run applied (strict field validation) against the real
+* The manifests are each kustomize overlay as `kubectl kustomize` renders it (the harness's kubectl,
+  built with the apiserver), server-side dry-run applied (strict field validation) against the real
   kube-apiserver, and the pod template is dry-run created as a Pod in the namespace that enforces
-  the `restricted` Pod Security Standard.
+  the `restricted` Pod Security Standard. (tests/test_kubernetes_deploy.py applies them for real.)
 * Every environment name in the compose file and the Deployment is a row of the config table, and
   the values they set pass ``load_settings``.
 """
@@ -37,6 +38,8 @@ from tests.test_ops_http import free_port, wait_for_status
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"
 K8S_DIR = ROOT / "compose" / "kubernetes"
+#: One overlay per Kubernetes driver, named by its SANDBOX_PROVISIONER_TYPE.
+K8S_OVERLAYS = ("kubernetes", "agent-sandbox")
 KNOWN_ENV = {s.env for s in SETTINGS}
 
 
@@ -69,15 +72,22 @@ def compose_config() -> dict[str, Any]:
     return config
 
 
-def manifests() -> list[dict[str, Any]]:
-    docs: list[dict[str, Any]] = []
-    for path in sorted(K8S_DIR.glob("*.yaml")):
-        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
-    return docs
+def manifests(overlay: str = "kubernetes") -> list[dict[str, Any]]:
+    """The overlay as ``kubectl apply -k`` sends it (``kubectl kustomize``, no cluster needed)."""
+    from harness.kube_apiserver import kubectl_path
+
+    proc = subprocess.run(
+        [str(kubectl_path()), "kustomize", str(K8S_DIR / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
 
 
-def deployment() -> dict[str, Any]:
-    (dep,) = [d for d in manifests() if d["kind"] == "Deployment"]
+def deployment(overlay: str = "kubernetes") -> dict[str, Any]:
+    (dep,) = [d for d in manifests(overlay) if d["kind"] == "Deployment"]
     return dep
 
 
@@ -213,8 +223,10 @@ def _no_leftover_pods() -> Iterator[None]:
 # --- Kubernetes manifests ----------------------------------------------------------------------------
 
 
-def test_the_deployment_has_probes_resources_the_metrics_port_and_known_env() -> None:
-    dep = deployment()
+@pytest.mark.kubernetes  # kubectl comes from the kubernetes build
+@pytest.mark.parametrize("overlay", K8S_OVERLAYS)
+def test_the_deployment_has_probes_resources_the_metrics_port_and_known_env(overlay: str) -> None:
+    dep = deployment(overlay)
     template = dep["spec"]["template"]
     (container,) = template["spec"]["containers"]
     assert container["ports"] == [{"name": "metrics", "containerPort": 8080, "protocol": "TCP"}]
@@ -231,7 +243,15 @@ def test_the_deployment_has_probes_resources_the_metrics_port_and_known_env() ->
     assert set(names) <= KNOWN_ENV, set(names) - KNOWN_ENV
     values = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     settings = load_settings(values)  # the Deployment's values pass validation
-    assert settings.provisioner_type == "kubernetes" and settings.http_port == 8080
+    assert settings.provisioner_type == overlay and settings.http_port == 8080
+    # The Kafka credentials come from the generated Secret, each key optional.
+    kafka = [e for e in container["env"] if e["name"].startswith(("KAFKA_SASL_", "KAFKA_SSL_"))]
+    assert kafka and all(e["valueFrom"]["secretKeyRef"]["optional"] for e in kafka)
+    (secret,) = [d for d in manifests(overlay) if d["kind"] == "Secret"]
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in kafka} == {secret["metadata"]["name"]}
+    # A released tag (the project's version), not :latest.
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert container["image"] == f"sandbox-lanes:{version}"
     # The kubernetes driver needs a per-queue routing mode, or the pod refuses to boot.
     assert (settings.agent.activity_routing, settings.workflow.workflow_activity_routing) == (
         "session",
@@ -240,12 +260,14 @@ def test_the_deployment_has_probes_resources_the_metrics_port_and_known_env() ->
     # A slow kubernetes ensure must not read as a stalled loop to the liveness probe.
     assert settings.stall_seconds > settings.ensure_timeout_s
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > settings.shutdown_timeout_s
-    (service,) = [d for d in manifests() if d["kind"] == "Service"]
+    (service,) = [d for d in manifests(overlay) if d["kind"] == "Service"]
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+    assert "annotations" not in service["metadata"]  # one scrape path: the Pod's annotations
 
 
 @pytest.mark.kubernetes
-def test_the_manifests_pass_a_server_side_dry_run(kube_admin: Any) -> None:
+@pytest.mark.parametrize("overlay", K8S_OVERLAYS)
+def test_the_manifests_pass_a_server_side_dry_run(kube_admin: Any, overlay: str) -> None:
     from kubernetes import dynamic
 
     dyn = dynamic.DynamicClient(kube_admin)
@@ -263,7 +285,7 @@ def test_the_manifests_pass_a_server_side_dry_run(kube_admin: Any) -> None:
             query_params=list(strict),
         )
 
-    docs = manifests()
+    docs = manifests(overlay)
     assert {d["kind"] for d in docs} == {
         "Namespace",
         "ServiceAccount",
@@ -271,6 +293,11 @@ def test_the_manifests_pass_a_server_side_dry_run(kube_admin: Any) -> None:
         "RoleBinding",
         "Deployment",
         "Service",
+        "PodDisruptionBudget",
+        "Secret",
+        "NetworkPolicy",
+        "LimitRange",
+        "ResourceQuota",
     }
     # Namespaced objects can only be dry-run into namespaces that exist: apply those two for real.
     for doc in docs:
@@ -280,7 +307,7 @@ def test_the_manifests_pass_a_server_side_dry_run(kube_admin: Any) -> None:
         applied = apply(doc, dry_run=True)
         assert applied.metadata.name == doc["metadata"]["name"]
     # The namespace enforces the restricted Pod Security Standard: the pod template must pass it.
-    template = deployment()["spec"]["template"]
+    template = deployment(overlay)["spec"]["template"]
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
