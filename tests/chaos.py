@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -39,11 +40,12 @@ from harness.kafka_broker import KafkaBroker, prepare
 from consumers.ops.progress import progress
 from consumers.ops.settings import load_settings
 from consumers.tools.topic_io import topic_for
+from drivers.contract import ManagedSandbox
 from drivers.local_process import new_local_process_provisioner
 from events.codec import encode
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
-from tests.chaos_verify import Verdict, read_all, verify, wait_caught_up, wait_effects_folded
-from tests.chaos_workload import LANE_ENV, Workload, expected_from_plan, generate
+from tests.chaos_verify import Verdict, _sample, read_all, verify, wait_caught_up, wait_effects_folded
+from tests.chaos_workload import LANE_ENV, Workload, generate
 from tests.pod_harness import ROOT, PodProcess, unique_env
 from tests.proc_util import processes_under
 
@@ -312,18 +314,11 @@ async def _local_process_leaks(
             check=False,
         )
         out(f"  reaper: `sandbox-lanes reap --apply` exited {proc.returncode}")
+        problems = reaper_problems(proc.returncode, proc.stdout, before, figures)
         if proc.returncode != 0:
             out("  " + (proc.stdout + proc.stderr)[-2000:].replace("\n", "\n  "))
-        figures["reaper"] = 1
     else:
-        out(
-            "  reaper: consumers/tools/reaper.py not present, reaping directly through the driver's list_managed"
-        )
-        for m in before:
-            with contextlib.suppress(Exception):
-                await driver.deprovision(m.scope, m.sandbox_id)
-        figures["reaper"] = 0
-    problems: list[str] = []
+        problems = ["consumers/tools/reaper.py not present: nothing reaped"]
     after = [m for m in await driver.list_managed() if over(m.scope, m.sandbox_id)]
     problems += [
         f"workflow {m.sandbox_id} still managed and running after the reaper"
@@ -357,6 +352,58 @@ async def _local_process_leaks(
     return problems, figures
 
 
+_REAP_SUMMARY = re.compile(r"(\d+) to reap, (\d+) removed, (\d+) failed")
+
+
+def reaper_problems(
+    returncode: int, stdout: str, leaked: list[ManagedSandbox], figures: dict[str, int]
+) -> list[str]:
+    """The reaper's own account: it must exit 0, fail nothing, and remove something when terminal
+    workflows' runners were left behind (a reaper that does nothing must not pass)."""
+    problems = [] if returncode == 0 else [f"`sandbox-lanes reap --apply` exited {returncode}"]
+    summary = _REAP_SUMMARY.search(stdout)
+    if summary is None:
+        return [*problems, f"the reaper printed no summary: {stdout[-300:]!r}"]
+    candidates, removed, failed = (int(g) for g in summary.groups())
+    figures["reaper candidates"], figures["reaper removed"] = candidates, removed
+    if failed:
+        problems.append(f"the reaper failed {failed} removals")
+    leaked_workflows = sum(1 for m in leaked if m.scope == "workflow")
+    if leaked_workflows and removed == 0:
+        problems.append(f"{leaked_workflows} terminal workflows' runners leaked, the reaper removed none")
+    return problems
+
+
+_IGNORED = re.compile(r'"duplicate input ignored".*?"eventId": "([^"]+)"')
+
+
+def duplicates_ignored(work: Path, workload: Workload, guarantee: str) -> tuple[list[str], dict[str, int]]:
+    """The pods' "duplicate input ignored" log lines against the injected duplicates.
+
+    Every injected duplicate (same event id, after its original was applied) must be ignored, so the
+    count is never zero; under exactly_once a state and its input offset commit together, so no
+    other input may be ignored as a duplicate (non-zero is a violation); under at_least_once an input
+    redelivered after a kill is (its state was written before the offset), and is counted.
+    """
+    injected = {p.event.meta.event_id for p in workload.plan if p.why == "duplicate"}
+    ignored: set[str] = set()
+    for log in work.glob("pod-*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if "duplicate input ignored" in line:
+                match = _IGNORED.search(line)
+                ignored.add(match.group(1) if match else line[-200:])
+    problems = [f"injected duplicate {e} was not ignored" for e in sorted(injected - ignored)]
+    if not injected:
+        problems.append("no duplicate injected: the duplicate filter went unexercised")
+    redelivered = ignored - injected
+    if guarantee == "exactly_once":
+        problems += [f"input {e} ignored as a duplicate, never injected twice" for e in sorted(redelivered)]
+    return problems, {
+        "injected duplicates ignored": len(injected & ignored),
+        "inputs redelivered after a kill, ignored": len(redelivered),
+    }
+
+
 async def one_run(
     opts: ChaosOptions, guarantee: str, bootstrap: str, broker: KafkaBroker | None, work: Path
 ) -> RunResult:
@@ -379,7 +426,6 @@ async def one_run(
     )
     settings = load_settings(env)
     topics = settings.topics
-    expected = expected_from_plan(workload)
     all_ids = {p.event.meta.event_id for p in workload.all_records()}
     out(
         f"[{guarantee}] {opts.executions} executions, {workload.counts['events']} records, driver {opts.driver}, "
@@ -441,7 +487,16 @@ async def one_run(
         unfolded = await wait_effects_folded(bootstrap, topics.state, opts.settle_timeout_s, fleet.check)
     finally:
         fleet.stop_all()
-    verdict, _states = await verify(bootstrap, topics, expected, guarantee=guarantee, all_event_ids=all_ids)
+    verdict, _states, expected = await verify(
+        bootstrap, topics, workload, guarantee=guarantee, all_event_ids=all_ids, driver=opts.driver
+    )
+    problems, ignored_figures = duplicates_ignored(work, workload, guarantee)
+    verdict.check(
+        "duplicates: every injected same-id input ignored once applied"
+        + (", and no other (exactly_once)" if guarantee == "exactly_once" else ""),
+        _sample(problems),
+    )
+    verdict.figures.update(ignored_figures)
     verdict.check("pod never stopped by itself", fleet.unplanned[:5])
     verdict.check(
         "the group consumed every input", [] if lag == 0 else [f"{lag} input records not committed"]
@@ -479,6 +534,9 @@ async def one_run(
         "reordered across executions": workload.counts["reordered"],
         "reordered within a history (expected dead letters)": workload.counts["early"],
         "session deletions": workload.counts["session_deletes"],
+        "recovers": workload.counts["recovers"],
+        "stale": workload.counts["stale"],
+        "equal timestamps": workload.counts["equal timestamps"],
         "feeder resends": resends,
         "pod start-ups refused while the broker was down (restarted)": fleet.startup_failures,
         **verdict.figures,
