@@ -87,6 +87,44 @@ class SandboxError(Exception):
     """A driver failure whose message is safe to record (never carries a secret)."""
 
 
+class SandboxCollision(SandboxError):
+    """The object a sandbox's name maps to belongs to another sandbox (a name collision).
+
+    Names are upstream's ``sbx-<code>-<first 12 hex of sha256(id)>`` (48 bits), so two ids can share
+    one. A driver raises this before it touches the object: an ensure fails (the pod records
+    ``SandboxFailed`` with this message) and the other owner's object is left as it was.
+    ``owner`` is the other object's ``stigmer.ai/sandbox-id`` (``None``: it carries none).
+    """
+
+    def __init__(
+        self,
+        driver: str,
+        kind: str,
+        where: str,
+        name: str,
+        scope: SandboxScope,
+        sandbox_id: str,
+        owner: str | None,
+        owner_scope: str | None = None,
+    ) -> None:
+        self.driver = driver
+        self.kind = kind
+        self.where = where
+        self.name = name
+        self.scope = scope
+        self.sandbox_id = sandbox_id
+        self.owner = owner
+        held_by = (
+            f"{owner_scope or scope} '{owner}'"
+            if owner is not None
+            else "no sandbox of this server (no stigmer.ai/sandbox-id label)"
+        )
+        super().__init__(
+            f"{driver} sandbox name collision: {kind} {where} belongs to {held_by}, not to {scope} "
+            f"'{sandbox_id}' (both map to the name {name}); the {kind} was left untouched"
+        )
+
+
 @runtime_checkable
 class SandboxProvisioner(Protocol):
     """What the pod needs from a driver. Every method must be safe under concurrency."""

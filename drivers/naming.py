@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Mapping
 from typing import Final
 
 from drivers.contract import SandboxScope
@@ -41,3 +42,21 @@ def sandbox_labels(scope: SandboxScope, sandbox_id: str) -> dict[str, str]:
         LABEL_SCOPE: scope,
         LABEL_SANDBOX_ID: sandbox_id,
     }
+
+
+def label_owner(labels: Mapping[str, str] | None) -> str | None:
+    """The sandbox id an object's labels name as its owner; ``None`` when it is not one of ours."""
+    labels = labels or {}
+    if labels.get(LABEL_MANAGED_BY) != MANAGED_BY_VALUE:
+        return None
+    return labels.get(LABEL_SANDBOX_ID) or None
+
+
+def is_owned_by(labels: Mapping[str, str] | None, scope: SandboxScope, sandbox_id: str) -> bool:
+    """Does the object carry this sandbox's labels (managed by us, this id, this scope when set)?
+
+    Every driver checks this before it fast-paths onto, wakes, writes into or deletes an object found
+    under the sandbox's name: two ids can map to one name (48 bits of sha256).
+    """
+    labels = labels or {}
+    return label_owner(labels) == sandbox_id and labels.get(LABEL_SCOPE, scope) == scope
