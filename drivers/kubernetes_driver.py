@@ -20,6 +20,17 @@ absent → Secret, PVC, Deployment (in that order); 0 → scale to 1 through the
 token it booted with). ``deprovision`` deletes Deployment, Secret, PVC; a 404 is
 success. No readiness wait anywhere.
 
+Ownership (names are 48 bits of sha256, so two ids can share one): every object carries the
+``stigmer.ai/sandbox-id`` label, and the driver reads it before it acts on an object it found under
+the sandbox's name: the Deployment before the fast path or the scale-up, the Secret before writing
+it, the claim when its create answers 409, and each of the three before deleting it. Another
+sandbox's object fails the ensure with :class:`~drivers.contract.SandboxCollision` (naming the
+object and its owner's id) and is never written; a deprovision leaves it alone and logs which
+object it left (``LOG_LEFT_ALONE``). Deletes carry the checked object's uid as a precondition, so a
+replacement created in between is never deleted. The Secret's labels are read without the ``get``
+verb and without its data: a dry-run JSON Patch (a lone ``test`` op) answered as
+``PartialObjectMetadata``; the claim's with ``get`` (the Role grants it for claims).
+
 How objects are written — decision (differs from upstream on purpose):
 
 * Secret and Deployment use **server-side apply** (``PATCH`` with content type
@@ -40,9 +51,9 @@ How objects are written — decision (differs from upstream on purpose):
   replaces it, only because its client's patch defaulted to JSON-Patch).
 * Deployments are deleted with ``propagationPolicy=Background``.
 
-RBAC verbs the driver needs (see ``compose/kubernetes/role.yaml``): deployments
+RBAC verbs the driver needs (see ``compose/kubernetes/overlays/kubernetes/role.yaml``): deployments
 get/list/create/patch/delete, deployments/scale patch, secrets create/patch/delete,
-persistentvolumeclaims create/delete. (Apply that creates an object is authorized
+persistentvolumeclaims get/create/delete. (Apply that creates an object is authorized
 as both ``patch`` and ``create``.)
 
 Every API failure becomes :class:`~drivers.contract.SandboxError` carrying the API
@@ -82,6 +93,7 @@ from drivers.contract import (
     SCOPES,
     DriverConfig,
     ManagedSandbox,
+    SandboxCollision,
     SandboxEnvironment,
     SandboxError,
     SandboxProbeState,
@@ -101,6 +113,8 @@ from drivers.kubernetes_manifests import (
 from drivers.naming import (
     LABEL_SANDBOX_ID,
     LABEL_SCOPE,
+    is_owned_by,
+    label_owner,
     sandbox_base_name,
 )
 from drivers.runner_env import scrub
@@ -113,6 +127,10 @@ DRIVER_NAME: Final = "kubernetes"
 FIELD_MANAGER: Final = "sandbox-lanes"
 APPLY_CONTENT_TYPE: Final = "application/apply-patch+yaml"
 MERGE_PATCH_CONTENT_TYPE: Final = "application/merge-patch+json"
+JSON_PATCH_CONTENT_TYPE: Final = "application/json-patch+json"
+#: Ask for an object's metadata only (labels, uid): a Secret's data never crosses the wire.
+PARTIAL_METADATA_ACCEPT: Final = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
+LOG_LEFT_ALONE: Final = "sandbox deprovision left another sandbox's object alone"
 
 
 def backend_endpoint_required(driver: str) -> str:
@@ -135,6 +153,28 @@ TEMPORAL_ADDRESS_REQUIRED: Final = temporal_address_required(DRIVER_NAME)
 _T = TypeVar("_T")
 
 
+class Found:
+    """An object found under a sandbox's name: what the ownership check and a guarded delete need."""
+
+    def __init__(self, kind: str, where: str, labels: Mapping[str, str] | None, uid: str) -> None:
+        self.kind = kind
+        self.where = where
+        self.labels: Mapping[str, str] = labels or {}
+        self.uid = uid
+
+    @property
+    def owner(self) -> str | None:
+        return label_owner(self.labels)
+
+    def owned_by(self, scope: SandboxScope, sandbox_id: str) -> bool:
+        return is_owned_by(self.labels, scope, sandbox_id)
+
+    def describe(self) -> str:
+        owner = self.owner
+        held = f"{self.labels.get(LABEL_SCOPE, '?')} '{owner}'" if owner is not None else "no sandbox of ours"
+        return f"{self.kind} {self.where} (owned by {held})"
+
+
 def api_error_message(exc: ApiException) -> str:
     """The API server's own ``message`` from a Status body, else the HTTP reason."""
     body = getattr(exc, "body", None)
@@ -154,6 +194,12 @@ def api_error_message(exc: ApiException) -> str:
 def _status(exc: ApiException) -> int:
     status = getattr(exc, "status", None)
     return int(status) if isinstance(status, int) else 0
+
+
+def _replicas(dep: Any) -> int:
+    """A Deployment's ``spec.replicas`` (a missing value counts as 0)."""
+    replicas = dep.spec.replicas if dep.spec is not None else None
+    return int(replicas or 0)
 
 
 # --------------------------------------------------------------------------- the driver
@@ -219,27 +265,106 @@ class KubernetesProvisioner(ScopedMethods):
         message = self._redact(api_error_message(exc), env)
         return SandboxError(f"{self.driver_name} {action} failed (HTTP {_status(exc)}): {message}")
 
+    # -- ownership
+    def collision(self, found: Found, name: str, scope: SandboxScope, sandbox_id: str) -> SandboxCollision:
+        return SandboxCollision(
+            self.driver_name,
+            found.kind,
+            found.where,
+            name,
+            scope,
+            sandbox_id,
+            found.owner,
+            found.labels.get(LABEL_SCOPE),
+        )
+
+    def check_owner(self, found: Found | None, name: str, scope: SandboxScope, sandbox_id: str) -> None:
+        """Raise :class:`SandboxCollision` when ``found`` is another sandbox's object."""
+        if found is not None and not found.owned_by(scope, sandbox_id):
+            raise self.collision(found, name, scope, sandbox_id)
+
+    def left_alone(self, found: Found, scope: SandboxScope, sandbox_id: str) -> None:
+        self._logger.warning(
+            f"{self.driver_name} {LOG_LEFT_ALONE}",
+            extra={
+                "scope": scope,
+                "id": sandbox_id,
+                "kind": found.kind,
+                "object": found.where,
+                "ownerId": found.owner,
+                "leftAlone": found.describe(),
+            },
+        )
+
+    async def _metadata(self, action: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn``'s answer as ``PartialObjectMetadata`` (a JSON dict), or ``None`` on 404."""
+
+        def fetch(*a: Any, **kw: Any) -> Any:
+            resp = fn(*a, _preload_content=False, _headers={"Accept": PARTIAL_METADATA_ACCEPT}, **kw)
+            try:
+                return json.loads(resp.data)
+            finally:
+                resp.release_conn()
+
+        return await self._call(action, fetch, *args, tolerate=frozenset({404}), **kwargs)
+
+    async def find(self, kind: str, name: str) -> Found | None:
+        """The labels and uid of the Secret or claim named ``name``; ``None`` when there is none."""
+        where = f"{self._ns}/{name}"
+        if kind == "Secret":
+            # Read with the verb the driver has (patch), dry-run, answered as metadata only: no
+            # write, no secret value. The lone op tests a field every object has.
+            meta = await self._metadata(
+                f"read Secret {where}",
+                self._core.patch_namespaced_secret,
+                name,
+                self._ns,
+                [{"op": "test", "path": "/metadata/name", "value": name}],
+                dry_run="All",
+                _content_type=JSON_PATCH_CONTENT_TYPE,
+            )
+        elif kind == "PersistentVolumeClaim":
+            meta = await self._metadata(
+                f"read PersistentVolumeClaim {where}",
+                self._core.read_namespaced_persistent_volume_claim,
+                name,
+                self._ns,
+            )
+        else:
+            raise ValueError(f"no ownership read for {kind}")
+        if not isinstance(meta, dict):
+            return None
+        m = meta.get("metadata") or {}
+        return Found(kind, where, m.get("labels"), str(m.get("uid", "")))
+
     # -- gateway
-    async def deployment_replicas(self, name: str) -> int | None:
-        """``None`` on 404; ``spec.replicas`` (a missing value counts as 0)."""
-        dep = await self._call(
+    async def read_deployment(self, name: str) -> Any:
+        """The Deployment, or ``None`` on 404."""
+        return await self._call(
             f"read Deployment {self._ns}/{name}",
             self._apps.read_namespaced_deployment,
             name,
             self._ns,
             tolerate=frozenset({404}),
         )
-        if dep is None:
-            return None
-        replicas = dep.spec.replicas if dep.spec is not None else None
-        return int(replicas or 0)
 
-    async def _apply(self, kind: str, manifest: dict[str, Any], env: SandboxEnvironment) -> None:
+    def _found_deployment(self, dep: Any, name: str) -> Found:
+        meta = dep.metadata
+        labels = meta.labels if meta is not None else None
+        uid = str(meta.uid or "") if meta is not None else ""
+        return Found("Deployment", f"{self._ns}/{name}", labels, uid)
+
+    async def deployment_replicas(self, name: str) -> int | None:
+        """``None`` on 404; ``spec.replicas`` (a missing value counts as 0)."""
+        dep = await self.read_deployment(name)
+        return None if dep is None else _replicas(dep)
+
+    async def _apply(self, kind: str, manifest: dict[str, Any], env: SandboxEnvironment) -> Any:
         name = manifest["metadata"]["name"]
         fn = (
             self._core.patch_namespaced_secret if kind == "Secret" else self._apps.patch_namespaced_deployment
         )
-        await self._call(
+        return await self._call(
             f"apply {kind} {self._ns}/{name}",
             fn,
             name,
@@ -278,7 +403,8 @@ class KubernetesProvisioner(ScopedMethods):
         )
         return done is not None
 
-    async def _delete(self, kind: str, name: str) -> None:
+    async def _delete(self, kind: str, name: str, uid: str = "") -> None:
+        """Delete ``name``; with ``uid``, only that very object (a 409: it was replaced meanwhile)."""
         if kind == "Deployment":
             fn: Callable[..., Any] = self._apps.delete_namespaced_deployment
             extra: dict[str, Any] = {"propagation_policy": "Background"}
@@ -286,8 +412,10 @@ class KubernetesProvisioner(ScopedMethods):
             fn, extra = self._core.delete_namespaced_secret, {}
         else:
             fn, extra = self._core.delete_namespaced_persistent_volume_claim, {}
+        if uid:
+            extra["body"] = {"preconditions": {"uid": uid}}
         await self._call(
-            f"delete {kind} {self._ns}/{name}", fn, name, self._ns, tolerate=frozenset({404}), **extra
+            f"delete {kind} {self._ns}/{name}", fn, name, self._ns, tolerate=frozenset({404, 409}), **extra
         )
 
     # -- contract
@@ -295,7 +423,10 @@ class KubernetesProvisioner(ScopedMethods):
         self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
     ) -> SandboxProbeState:
         base = sandbox_base_name(scope, sandbox_id)
-        replicas = await self.deployment_replicas(base)
+        dep = await self.read_deployment(base)
+        if dep is not None:  # another sandbox's Deployment is never fast-pathed onto nor scaled
+            self.check_owner(self._found_deployment(dep, base), base, scope, sandbox_id)
+        replicas = None if dep is None else _replicas(dep)
         if replicas is not None and replicas >= 1:
             return "running"  # fast path: nothing applied, the pod keeps the token it booted with
         if replicas == 0 and await self._scale(base, 1):
@@ -309,9 +440,20 @@ class KubernetesProvisioner(ScopedMethods):
 
     async def _provision(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
         base = sandbox_base_name(scope, sandbox_id)
-        await self._apply("Secret", secret_manifest(self._config, scope, sandbox_id, env), env)
-        if scope in PERSISTENT_SCOPES:
-            await self._apply_pvc(pvc_manifest(self._config, scope, sandbox_id))
+        secret = secret_name(base)
+        self.check_owner(await self.find("Secret", secret), base, scope, sandbox_id)
+        written = await self._apply("Secret", secret_manifest(self._config, scope, sandbox_id, env), env)
+        if scope in PERSISTENT_SCOPES and not await self._apply_pvc(
+            pvc_manifest(self._config, scope, sandbox_id)
+        ):
+            # The claim exists: kept when it is this sandbox's (the repair arm's workspace), never
+            # mounted when it is another's. The Secret this ensure just wrote goes again.
+            claim = await self.find("PersistentVolumeClaim", pvc_name(base))
+            if claim is not None and not claim.owned_by(scope, sandbox_id):
+                uid = str(getattr(getattr(written, "metadata", None), "uid", "") or "")
+                if uid:
+                    await self._delete("Secret", secret, uid)
+                raise self.collision(claim, base, scope, sandbox_id)
         await self._apply("Deployment", deployment_manifest(self._config, scope, sandbox_id, env), env)
         self._logger.info(
             "Kubernetes sandbox provisioned",
@@ -324,21 +466,38 @@ class KubernetesProvisioner(ScopedMethods):
         )
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
+        """Delete this sandbox's Deployment, Secret and claim; another sandbox's is left alone."""
         base = sandbox_base_name(scope, sandbox_id)
-        await self._delete("Deployment", base)
-        await self._delete("Secret", secret_name(base))
-        if scope in PERSISTENT_SCOPES:
-            await self._delete("PersistentVolumeClaim", pvc_name(base))
+        dep = await self.read_deployment(base)
+        found: list[Found] = [] if dep is None else [self._found_deployment(dep, base)]
+        for kind, name in (("Secret", secret_name(base)), ("PersistentVolumeClaim", pvc_name(base))):
+            if kind == "Secret" or scope in PERSISTENT_SCOPES:
+                obj = await self.find(kind, name)
+                if obj is not None:
+                    found.append(obj)
+        left = [f for f in found if not f.owned_by(scope, sandbox_id)]
+        for f in found:
+            if f in left:
+                self.left_alone(f, scope, sandbox_id)
+            else:
+                await self._delete(f.kind, f.where.split("/", 1)[1], f.uid)
         self._logger.info(
             "Kubernetes sandbox deprovisioned",
-            extra={"scope": scope, "id": sandbox_id, "deployment": base},
+            extra={
+                "scope": scope,
+                "id": sandbox_id,
+                "deployment": base,
+                "leftAlone": [f.describe() for f in left],
+            },
         )
 
     async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:
-        replicas = await self.deployment_replicas(sandbox_base_name(scope, sandbox_id))
-        if replicas is None:
+        """``absent`` also when the Deployment under the name is another sandbox's."""
+        base = sandbox_base_name(scope, sandbox_id)
+        dep = await self.read_deployment(base)
+        if dep is None or not self._found_deployment(dep, base).owned_by(scope, sandbox_id):
             return "absent"
-        return "running" if replicas >= 1 else "stopped"
+        return "running" if _replicas(dep) >= 1 else "stopped"
 
     async def list_managed(self) -> list[ManagedSandbox]:
         found: list[ManagedSandbox] = []

@@ -26,9 +26,16 @@ from harness.kube_apiserver import KubeApiServer
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from drivers.contract import DriverConfig, SandboxEnvironment, SandboxError, SandboxScope
+from drivers.contract import (
+    DriverConfig,
+    SandboxCollision,
+    SandboxEnvironment,
+    SandboxError,
+    SandboxScope,
+)
 from drivers.kubernetes_driver import (
     BACKEND_ENDPOINT_REQUIRED,
+    LOG_LEFT_ALONE,
     TEMPORAL_ADDRESS_REQUIRED,
     KubernetesProvisioner,
     new_kubernetes_provisioner,
@@ -36,6 +43,7 @@ from drivers.kubernetes_driver import (
 from drivers.kubernetes_manifests import pvc_name, secret_name
 from drivers.naming import sandbox_base_name, sandbox_labels
 from drivers.registry import new_sandbox_provisioner
+from tests.collisions import FIRST, SECOND, assert_collide
 
 pytestmark = pytest.mark.kubernetes
 
@@ -392,6 +400,105 @@ async def test_deprovision_deletes_all_three_and_tolerates_absence(
     await driver.deprovision_session_sandbox("ses_never_existed")
 
 
+def _owned_objects(admin: Any, ns: str, base: str) -> dict[str, Any]:
+    """uid, resourceVersion and labels of the three objects (plus the Secret's data and the replicas)."""
+    dep = _read_or_none(_apps(admin).read_namespaced_deployment, base, ns)
+    secret = _read_or_none(_core(admin).read_namespaced_secret, secret_name(base), ns)
+    pvc = _read_or_none(_core(admin).read_namespaced_persistent_volume_claim, pvc_name(base), ns)
+    out: dict[str, Any] = {}
+    for kind, obj in (("Deployment", dep), ("Secret", secret), ("PersistentVolumeClaim", pvc)):
+        if obj is not None:
+            m = obj.metadata
+            out[kind] = (m.uid, m.resource_version, m.labels, m.deletion_timestamp)
+    if secret is not None:
+        out["data"] = _decoded(secret)
+    if dep is not None:
+        out["replicas"] = dep.spec.replicas
+    return out
+
+
+def _collision(kind: str, where: str, name: str) -> str:
+    return (
+        f"kubernetes sandbox name collision: {kind} {where} belongs to workflow '{FIRST}', not to "
+        f"workflow '{SECOND}' (both map to the name {name}); the {kind} was left untouched"
+    )
+
+
+async def test_colliding_ids_never_touch_each_others_objects(
+    driver: KubernetesProvisioner, kube_admin: Any, kube_namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two real ids with one sandbox name: every arm of the second's ensure (fast path, scale-up,
+    Secret write, claim) fails naming the first's object and writes nothing of it; the second's
+    deprovision deletes nothing of the first's."""
+    caplog.set_level(logging.INFO, logger=LOG.name)
+    ns, base = kube_namespace, assert_collide("workflow")
+    await driver.ensure_workflow_sandbox(FIRST, SandboxEnvironment(f"wfexec:{FIRST}", TOKEN, "user"))
+    first = _owned_objects(kube_admin, ns, base)
+    assert set(first) == {"Deployment", "Secret", "PersistentVolumeClaim", "data", "replicas"}
+    assert all(first[k][2] == sandbox_labels("workflow", FIRST) for k in ("Deployment", "Secret"))
+    second_env = SandboxEnvironment(f"wfexec:{SECOND}", "tok-second-execution", "user")
+
+    # The fast path onto a running Deployment.
+    with pytest.raises(SandboxCollision) as err:
+        await driver.ensure_workflow_sandbox(SECOND, second_env)
+    assert str(err.value) == _collision("Deployment", f"{ns}/{base}", base)
+    assert _owned_objects(kube_admin, ns, base) == first
+    assert await driver.probe("workflow", SECOND) == "absent"
+    assert await driver.probe("workflow", FIRST) == "running"
+
+    # The scale-up of a stopped one.
+    _scale_to(kube_admin, base, ns, 0)
+    stopped = _owned_objects(kube_admin, ns, base)
+    with pytest.raises(SandboxCollision, match=f"Deployment {ns}/{base} belongs to workflow '{FIRST}'"):
+        await driver.ensure_workflow_sandbox(SECOND, second_env)
+    assert _owned_objects(kube_admin, ns, base) == stopped
+    _scale_to(kube_admin, base, ns, 1)
+    first = _owned_objects(kube_admin, ns, base)
+
+    # The second's deprovision: all three are the first's, all three stay.
+    await driver.deprovision_workflow_sandbox(SECOND)
+    assert _owned_objects(kube_admin, ns, base) == first, "nothing deleted, nothing written"
+    left = [
+        r.__dict__["leftAlone"] for r in caplog.records if r.getMessage() == f"kubernetes {LOG_LEFT_ALONE}"
+    ]
+    assert left == [
+        f"Deployment {ns}/{base} (owned by workflow '{FIRST}')",
+        f"Secret {ns}/{secret_name(base)} (owned by workflow '{FIRST}')",
+        f"PersistentVolumeClaim {ns}/{pvc_name(base)} (owned by workflow '{FIRST}')",
+    ]
+
+    # The first's Deployment gone (a teardown cut short): its Secret is not written over.
+    _apps(kube_admin).delete_namespaced_deployment(base, ns)
+    partial = _owned_objects(kube_admin, ns, base)
+    with pytest.raises(SandboxCollision) as err:
+        await driver.ensure_workflow_sandbox(SECOND, second_env)
+    assert str(err.value) == _collision("Secret", f"{ns}/{secret_name(base)}", base)
+    assert _owned_objects(kube_admin, ns, base) == partial
+
+    # ... and with its Secret gone too, its claim is never mounted: the second's own Secret, just
+    # written, is deleted again and no Deployment is made.
+    _core(kube_admin).delete_namespaced_secret(secret_name(base), ns)
+    partial = _owned_objects(kube_admin, ns, base)
+    with pytest.raises(SandboxCollision) as err:
+        await driver.ensure_workflow_sandbox(SECOND, second_env)
+    assert str(err.value) == _collision("PersistentVolumeClaim", f"{ns}/{pvc_name(base)}", base)
+    assert _owned_objects(kube_admin, ns, base) == partial
+    assert set(partial) == {"PersistentVolumeClaim"}
+
+    # The first's next ensure repairs it onto its own kept claim; the first's deprovision removes it.
+    await driver.ensure_workflow_sandbox(FIRST, SandboxEnvironment(f"wfexec:{FIRST}", TOKEN, "user"))
+    repaired = _owned_objects(kube_admin, ns, base)
+    assert repaired["PersistentVolumeClaim"] == partial["PersistentVolumeClaim"]
+    assert repaired["data"]["STIGMER_TOKEN"] == TOKEN
+    await driver.deprovision_workflow_sandbox(SECOND)
+    assert _owned_objects(kube_admin, ns, base) == repaired
+    await driver.deprovision_workflow_sandbox(FIRST)
+    gone = _owned_objects(kube_admin, ns, base)
+    assert set(gone) <= {"PersistentVolumeClaim"}
+    assert "PersistentVolumeClaim" not in gone or gone["PersistentVolumeClaim"][3] is not None  # Terminating
+    assert await driver.probe("workflow", FIRST) == "absent"
+
+
 async def test_probe_maps_replicas_onto_absent_stopped_running(
     driver: KubernetesProvisioner, kube_admin: Any, kube_namespace: str
 ) -> None:
@@ -484,7 +591,8 @@ async def test_rbac_forbidden_is_a_sandbox_error_with_the_server_message(
 async def test_rbac_forbidden_write_names_the_verb(
     kube_apiserver: KubeApiServer, kube_admin: Any, kube_namespace: str
 ) -> None:
-    """Allowed to read Deployments but not to write Secrets: the apply's denial surfaces."""
+    """Allowed to read Deployments but not to write Secrets: the denial of the first Secret call (the
+    owner read, a dry-run patch) surfaces, naming the verb."""
     rbac = _rbac(kube_admin)
     rbac.create_namespaced_role(
         kube_namespace,
@@ -511,7 +619,7 @@ async def test_rbac_forbidden_write_names_the_verb(
     try:
         with pytest.raises(SandboxError) as err:
             await p.ensure("session", "ses_ro", SandboxEnvironment("session:ses_ro", TOKEN))
-        assert "apply Secret" in str(err.value)
+        assert f"read Secret {kube_namespace}/" in str(err.value)
         assert 'cannot patch resource "secrets"' in str(err.value)
         assert TOKEN not in str(err.value)
     finally:
@@ -663,7 +771,13 @@ async def test_registry_selects_this_driver(kube_apiserver: KubeApiServer) -> No
 
 def _manifest_docs() -> list[dict[str, Any]]:
     docs: list[dict[str, Any]] = []
-    for name in ("namespace.yaml", "serviceaccount.yaml", "role.yaml", "rolebinding.yaml", "deployment.yaml"):
+    for name in (
+        "base/namespaces.yaml",
+        "base/serviceaccount.yaml",
+        "overlays/kubernetes/role.yaml",
+        "base/rolebinding.yaml",
+        "base/deployment.yaml",
+    ):
         docs.extend(d for d in yaml.safe_load_all((MANIFESTS / name).read_text()) if d)
     return docs
 
