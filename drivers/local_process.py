@@ -14,6 +14,11 @@ control of what it started":
   they are ended by deprovision.
 * A runner command that cannot be started fails the ensure with a
   :class:`SandboxError` instead of an asynchronous log line.
+* Records are kept by sandbox name, and two ids can share a name (48 bits of sha256): a record
+  names its sandbox's scope and id, and the driver checks them before it fast-paths onto or kills
+  the recorded process group. Another sandbox's runner fails the ensure with
+  :class:`SandboxCollision` (naming its process group, record and owner) and is never signalled;
+  a deprovision leaves it alone and logs it; a probe reports ``absent``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from drivers.contract import (
     SCOPES,
     DriverConfig,
     ManagedSandbox,
+    SandboxCollision,
     SandboxEnvironment,
     SandboxError,
     SandboxProbeState,
@@ -51,6 +57,7 @@ DEFAULT_GRACE_SECONDS: Final = 10.0
 KILL_WAIT_SECONDS: Final = 5.0
 _POLL_SECONDS: Final = 0.05
 _RECORD_DIR: Final = ".local-process"
+LOG_LEFT_ALONE: Final = "Local-process sandbox deprovision left another sandbox's runner alone"
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,11 @@ def _parse_grace(options: Mapping[str, str]) -> float:
     return value
 
 
+def _owns(record: ChildRecord, scope: SandboxScope, sandbox_id: str) -> bool:
+    """Is the record this sandbox's (its id and scope), not another id's that shares the name?"""
+    return record.sandbox_id == sandbox_id and record.scope == scope
+
+
 def _workspace_segment(scope: SandboxScope, sandbox_id: str) -> str:
     # Upstream uses the raw id in the directory name; refuse ids that would
     # escape the sandboxes directory instead of silently rewriting them.
@@ -283,6 +295,18 @@ class LocalProcessProvisioner(ScopedMethods):
         self._remove_record(name, only_if=record.identity)
         return None
 
+    def _collision(self, record: ChildRecord, scope: SandboxScope, sandbox_id: str) -> SandboxCollision:
+        return SandboxCollision(
+            DRIVER_NAME,
+            "runner process group",
+            f"{record.pgid} (record {self._record_path(record.name)})",
+            record.name,
+            scope,
+            sandbox_id,
+            record.sandbox_id,
+            record.scope,
+        )
+
     def _lock(self, name: str) -> asyncio.Lock:
         lock = self._locks.get(name)
         if lock is None:
@@ -297,7 +321,10 @@ class LocalProcessProvisioner(ScopedMethods):
         name = sandbox_base_name(scope, sandbox_id)
         workspace = self.workspace_dir(scope, sandbox_id)
         async with self._lock(name):
-            if self._live_record(name) is not None:
+            live = self._live_record(name)
+            if live is not None:
+                if not _owns(live, scope, sandbox_id):  # another sandbox's runner: never adopted
+                    raise self._collision(live, scope, sandbox_id)
                 return "running"
             found = await asyncio.to_thread(unrecorded_runner, workspace)
             if found is not None:
@@ -338,6 +365,8 @@ class LocalProcessProvisioner(ScopedMethods):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
+                if not _owns(other, scope, sandbox_id):
+                    raise self._collision(other, scope, sandbox_id)
                 return "running"
             if identity is not None:
                 record = self._new_record(scope, sandbox_id, name, workspace, identity)
@@ -420,11 +449,30 @@ class LocalProcessProvisioner(ScopedMethods):
         name = sandbox_base_name(scope, sandbox_id)
         async with self._lock(name):
             record = self._read_record(name)
+            theirs = record is not None and not _owns(record, scope, sandbox_id)
+            if record is not None and theirs:
+                self._logger.warning(
+                    LOG_LEFT_ALONE,
+                    extra={
+                        "scope": scope,
+                        "id": sandbox_id,
+                        "ownerId": record.sandbox_id,
+                        "pid": record.pid,
+                        "leftAlone": f"runner process group {record.pgid} of {record.scope} "
+                        f"'{record.sandbox_id}' (record {self._record_path(name)})",
+                    },
+                )
+                record = None
             if record is None:
-                # Spawned by a pod that stopped before recording it: still this sandbox's runner.
+                # Spawned by a pod that stopped before recording it: still this sandbox's runner
+                # (found by its own workspace, which no other id shares).
                 workspace = self.workspace_dir(scope, sandbox_id)
                 found = await asyncio.to_thread(unrecorded_runner, workspace)
                 if found is None:
+                    return
+                if theirs:  # the name's record is another's: end ours without recording it
+                    record = self._new_record(scope, sandbox_id, name, workspace, found)
+                    await self._terminate(record)
                     return
                 record = self._adopt(scope, sandbox_id, name, workspace, found)
             await self._terminate(record)
@@ -493,7 +541,8 @@ class LocalProcessProvisioner(ScopedMethods):
 
     async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:
         name = sandbox_base_name(scope, sandbox_id)
-        return "running" if self._live_record(name) is not None else "absent"
+        live = self._live_record(name)
+        return "running" if live is not None and _owns(live, scope, sandbox_id) else "absent"
 
     async def list_managed(self) -> list[ManagedSandbox]:
         found: list[ManagedSandbox] = []

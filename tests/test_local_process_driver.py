@@ -17,17 +17,21 @@ import pytest
 
 from drivers.contract import (
     DriverConfig,
+    SandboxCollision,
     SandboxEnvironment,
     SandboxError,
     SandboxProvisioner,
     SandboxScope,
 )
 from drivers.local_process import (
+    LOG_LEFT_ALONE,
     LocalProcessProvisioner,
     live_group_members,
     new_local_process_provisioner,
 )
 from drivers.naming import sandbox_base_name
+from tests.collisions import FIRST, SECOND, assert_collide
+from tests.proc_util import processes_under
 from tests.runner_stub import ENV_FILE, GRANDCHILD_FILE, STARTS_FILE, runner_command
 
 TOKEN = "tok-secret-axr_lp_1"
@@ -104,6 +108,11 @@ def _starts(p: LocalProcessProvisioner, scope: SandboxScope, sandbox_id: str) ->
     return [int(line) for line in path.read_text().split()] if path.exists() else []
 
 
+def _runners(p: LocalProcessProvisioner, scope: SandboxScope, sandbox_id: str) -> list[int]:
+    """The live processes running in this sandbox's workspace (what the kernel says)."""
+    return processes_under(p.workspace_dir(scope, sandbox_id))
+
+
 def _proc_state(pid: int) -> str | None:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -146,8 +155,12 @@ async def test_ensure_spawns_once_injects_env_contract_and_is_idempotent(
     assert await p.probe("session", "ses_smoke") == "running"
 
     await p.ensure_session_sandbox("ses_smoke", _env("session:ses_smoke"))
-    await asyncio.sleep(0.3)
-    assert len(_starts(p, "session", "ses_smoke")) == 1, "a second ensure must not respawn"
+    # The barrier is the ensure's return: a spawn inside it has exec'd by then (create_subprocess_exec
+    # returns after the exec), so a second runner would already be in /proc.
+    assert _runners(p, "session", "ses_smoke") == _starts(p, "session", "ses_smoke"), (
+        "a second ensure must not respawn"
+    )
+    assert len(_starts(p, "session", "ses_smoke")) == 1
 
     assert env["MODE"] == "local"
     assert env["STIGMER_TASK_QUEUE"] == "session:ses_smoke"
@@ -209,8 +222,9 @@ async def test_concurrent_ensures_spawn_once(make: Factory) -> None:
     p = make()
     await asyncio.gather(*(p.ensure("session", "ses_race", _env("session:ses_race")) for _ in range(8)))
     await _runner_env(p, "session", "ses_race")
-    await asyncio.sleep(0.3)
-    assert len(_starts(p, "session", "ses_race")) == 1
+    # Every ensure has returned (the barrier): any runner one of them spawned is in /proc now.
+    assert len(_runners(p, "session", "ses_race")) == 1
+    assert _starts(p, "session", "ses_race") == _runners(p, "session", "ses_race")
     assert [m.sandbox_id for m in await p.list_managed()] == ["ses_race"]
 
 
@@ -362,7 +376,56 @@ def _runner_of_another_pod(workspace: Path) -> subprocess.Popen[bytes]:
     its environment), with no record in the state dir."""
     return subprocess.Popen(
         shlex.split(runner_command()),
-        env={**os.environ, "WORKSPACE_ROOT_DIR": str(workspace), "STIGMER_TASK_QUEUE": "wfexec:wfx_lp_orphan"},
+        env={
+            **os.environ,
+            "WORKSPACE_ROOT_DIR": str(workspace),
+            "STIGMER_TASK_QUEUE": "wfexec:wfx_lp_orphan",
+        },
         start_new_session=True,
         stdin=subprocess.DEVNULL,
     )
+
+
+async def test_colliding_ids_never_touch_each_others_runner(
+    make: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two real ids with one sandbox name: the second's ensure fails naming the first's runner, and
+    neither its ensure nor its deprovision signals that runner."""
+    caplog.set_level(logging.INFO, logger=LOGGER.name)
+    name = assert_collide("workflow")
+    p = make()
+    await p.ensure_workflow_sandbox(FIRST, _env(f"wfexec:{FIRST}"))
+    first_env = await _runner_env(p, "workflow", FIRST)
+    (pid,) = _starts(p, "workflow", FIRST)
+    record = p.state_dir / ".local-process" / f"{name}.json"
+    kept = record.read_text()
+
+    with pytest.raises(SandboxCollision) as err:
+        await p.ensure_workflow_sandbox(SECOND, _env(f"wfexec:{SECOND}", token="tok-second"))
+    message = str(err.value)
+    assert message == (
+        f"local-process sandbox name collision: runner process group {pid} (record {record}) belongs "
+        f"to workflow '{FIRST}', not to workflow '{SECOND}' (both map to the name {name}); the runner "
+        "process group was left untouched"
+    )
+    assert _starts(p, "workflow", SECOND) == [], "nothing was spawned for the second id"
+    assert await p.probe("workflow", SECOND) == "absent"
+    assert await p.probe("workflow", FIRST) == "running"
+
+    await p.deprovision_workflow_sandbox(SECOND)
+    left = [r for r in caplog.records if r.getMessage() == LOG_LEFT_ALONE]
+    assert [(r.__dict__["id"], r.__dict__["ownerId"], r.__dict__["pid"]) for r in left] == [
+        (SECOND, FIRST, pid)
+    ]
+    await asyncio.sleep(0.3)
+    assert _proc_state(pid) not in (None, "Z"), "the first id's runner still runs"
+    assert live_group_members(pid) != []
+    assert record.read_text() == kept, "its record is untouched"
+    assert await _runner_env(p, "workflow", FIRST) == first_env
+    assert [m.sandbox_id for m in await p.list_managed()] == [FIRST]
+
+    await p.deprovision_workflow_sandbox(FIRST)
+    assert await _gone(pid)
+    assert await p.probe("workflow", FIRST) == "absent"
+    assert not record.exists()
+    assert await p.list_managed() == []
