@@ -10,6 +10,12 @@ dropped, network ``none`` unless configured, optional read-only root.
 
 The SDK is blocking; every engine call runs in a worker thread.
 
+Ownership: names are 48 bits of sha256, so two ids can share one. Every call checks the container's
+labels first; another sandbox's container fails the ensure with
+:class:`~drivers.contract.SandboxCollision` (naming the container and its owner's id), is left alone
+by a deprovision (logged, ``LOG_LEFT_ALONE``) and probes ``absent``; a container carrying none of
+our labels is refused with a ``SandboxError``.
+
 Options (``DriverConfig.options``): ``docker_host``, ``api_version`` (default
 ``auto``), ``timeout`` (seconds, default 60), ``image`` (default
 ``runner_image``), ``entrypoint`` / ``command`` (shell-split, ``""`` = the
@@ -36,6 +42,7 @@ from drivers.contract import (
     SCOPES,
     DriverConfig,
     ManagedSandbox,
+    SandboxCollision,
     SandboxEnvironment,
     SandboxError,
     SandboxProbeState,
@@ -47,6 +54,7 @@ from drivers.naming import (
     LABEL_SANDBOX_ID,
     LABEL_SCOPE,
     MANAGED_BY_VALUE,
+    label_owner,
     sandbox_base_name,
     sandbox_labels,
 )
@@ -69,6 +77,8 @@ TEMPORAL_ADDRESS_REQUIRED: Final = (
     "sandbox provisioner 'docker' requires STIGMER_SANDBOX_TEMPORAL_ADDRESS (or TEMPORAL_HOST_PORT)"
     " reachable from inside a container"
 )
+
+LOG_LEFT_ALONE: Final = "Docker sandbox deprovision left another sandbox's container alone"
 
 _CONFLICT_ATTEMPTS: Final = 3
 _CONFLICT_WAIT_SECONDS: Final = 5.0
@@ -180,6 +190,17 @@ def _is_ours(attrs: Mapping[str, Any], scope: SandboxScope, sandbox_id: str) -> 
     )
 
 
+def _labels(attrs: Mapping[str, Any]) -> Mapping[str, str]:
+    labels: Mapping[str, str] = (attrs.get("Config") or {}).get("Labels") or {}
+    return labels
+
+
+def _other_sandbox(attrs: Mapping[str, Any], scope: SandboxScope, sandbox_id: str) -> bool:
+    """Another managed sandbox's container (its id shares this one's name): a name collision."""
+    owner = label_owner(_labels(attrs))
+    return owner is not None and not _is_ours(attrs, scope, sandbox_id)
+
+
 def _state_of(attrs: Mapping[str, Any]) -> SandboxProbeState:
     state: Mapping[str, Any] = attrs.get("State") or {}
     return "running" if state.get("Running") and not state.get("Paused") else "stopped"
@@ -264,7 +285,27 @@ class DockerProvisioner(ScopedMethods):
             lock = self._locks[name] = asyncio.Lock()
         return lock
 
+    def _not_ours(
+        self, attrs: Mapping[str, Any], name: str, scope: SandboxScope, sandbox_id: str
+    ) -> SandboxError:
+        """Another sandbox's container is a :class:`SandboxCollision` naming it and its owner;
+        a container of no sandbox of ours keeps the ``refusing`` error."""
+        if _other_sandbox(attrs, scope, sandbox_id):
+            labels = _labels(attrs)
+            return SandboxCollision(
+                DRIVER_NAME,
+                "container",
+                f"{name} ({str(attrs.get('Id', ''))[:12]})",
+                name,
+                scope,
+                sandbox_id,
+                label_owner(labels),
+                labels.get(LABEL_SCOPE),
+            )
+        return self._foreign(name, scope, sandbox_id)
+
     def _foreign(self, name: str, scope: SandboxScope, sandbox_id: str) -> SandboxError:
+        """Not this sandbox's container: another sandbox's (a name collision) or none of ours."""
         return SandboxError(
             f"docker container name '{name}' is taken by a container that is not the managed sandbox "
             f"for {scope} '{sandbox_id}' (labels {LABEL_MANAGED_BY}={MANAGED_BY_VALUE}, "
@@ -284,7 +325,7 @@ class DockerProvisioner(ScopedMethods):
                 if attrs is None:
                     return "running"
             if not _is_ours(attrs, scope, sandbox_id):
-                raise self._foreign(name, scope, sandbox_id)
+                raise self._not_ours(attrs, name, scope, sandbox_id)
             if _state_of(attrs) == "running":
                 return "running"
             await self._start(attrs)
@@ -360,7 +401,7 @@ class DockerProvisioner(ScopedMethods):
             if existing is None:
                 continue  # the holder vanished (e.g. removed); try the create again
             if not _is_ours(existing, scope, sandbox_id):
-                raise self._foreign(name, scope, sandbox_id)
+                raise self._not_ours(existing, name, scope, sandbox_id)
             self._logger.info(
                 "Docker sandbox adopted",
                 extra={
@@ -425,6 +466,21 @@ class DockerProvisioner(ScopedMethods):
             attrs = await self._inspect(name)
             if attrs is None:
                 return
+            if _other_sandbox(attrs, scope, sandbox_id):
+                # Another sandbox's container under the shared name: nothing of this one's to remove.
+                labels = _labels(attrs)
+                self._logger.warning(
+                    LOG_LEFT_ALONE,
+                    extra={
+                        "scope": scope,
+                        "id": sandbox_id,
+                        "container": name,
+                        "ownerId": label_owner(labels),
+                        "leftAlone": f"container {name} of {labels.get(LABEL_SCOPE, scope)} "
+                        f"'{label_owner(labels)}'",
+                    },
+                )
+                return
             if not _is_ours(attrs, scope, sandbox_id):
                 raise self._foreign(name, scope, sandbox_id)
             client = await self._docker()
@@ -445,8 +501,8 @@ class DockerProvisioner(ScopedMethods):
     async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:
         name = sandbox_base_name(scope, sandbox_id)
         attrs = await self._inspect(name)
-        if attrs is None:
-            return "absent"
+        if attrs is None or _other_sandbox(attrs, scope, sandbox_id):
+            return "absent"  # (another sandbox's container holds nothing of this one's)
         if not _is_ours(attrs, scope, sandbox_id):
             raise self._foreign(name, scope, sandbox_id)
         return _state_of(attrs)

@@ -13,9 +13,16 @@ import docker.errors
 import pytest
 from harness.dockerd import Dockerd
 
-from drivers.contract import DriverConfig, SandboxEnvironment, SandboxError, SandboxProvisioner
+from drivers.contract import (
+    DriverConfig,
+    SandboxCollision,
+    SandboxEnvironment,
+    SandboxError,
+    SandboxProvisioner,
+)
 from drivers.docker_driver import (
     BACKEND_ENDPOINT_REQUIRED,
+    LOG_LEFT_ALONE,
     TEMPORAL_ADDRESS_REQUIRED,
     DockerProvisioner,
     new_docker_provisioner,
@@ -27,6 +34,7 @@ from drivers.naming import (
     MANAGED_BY_VALUE,
     sandbox_base_name,
 )
+from tests.collisions import FIRST, SECOND, assert_collide
 
 pytestmark = pytest.mark.docker
 
@@ -473,3 +481,64 @@ def test_the_defaults_are_upstreams_docker_run_no_network_limit_or_capability_ch
         64,
         True,
     )
+
+
+async def test_colliding_ids_never_touch_each_others_container(
+    make: Factory, client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two real ids with one sandbox name, through the pod's executor: the second's ensure is a failed
+    result (the lane's SandboxFailed reason) naming the first's container and id; the container, its
+    labels and its token stay the first's; the second's deprovision leaves it running."""
+    import base64
+
+    from consumers.lanes.commands import Deprovision, Ensure
+    from consumers.lanes.credentials import SandboxCredentialRequest
+    from consumers.runtime.executor import DriverExecutor
+    from consumers.runtime.runner_tokens import ExecutionScopedRunnerCredentialProvider
+
+    caplog.set_level(logging.INFO, logger=LOGGER.name)
+    name = assert_collide("workflow")
+    p = make()
+    executor = DriverExecutor(
+        p, ExecutionScopedRunnerCredentialProvider.from_key_text(base64.b64encode(b"k" * 32).decode()), LOGGER
+    )
+
+    def ensure(execution_id: str) -> Ensure:
+        mint = SandboxCredentialRequest("workflow", "", execution_id, "org", "user-1")
+        return Ensure("workflow", execution_id, f"wfexec:{execution_id}", "user", mint, True)
+
+    first = await executor.run(ensure(FIRST))
+    assert first.ok and first.token_minted, first
+    before = await asyncio.to_thread(_inspect, client, name)
+    token = _env_of(before)["STIGMER_TOKEN"]
+
+    second = await executor.run(ensure(SECOND))
+    assert not second.ok
+    assert second.error == (
+        f"docker sandbox name collision: container {name} ({before['Id'][:12]}) belongs to workflow "
+        f"'{FIRST}', not to workflow '{SECOND}' (both map to the name {name}); the container was left "
+        "untouched"
+    )
+    with pytest.raises(SandboxCollision):  # the driver's own exception type, under the executor
+        await p.ensure_workflow_sandbox(SECOND, _env(f"wfexec:{SECOND}"))
+    after = await asyncio.to_thread(_inspect, client, name)
+    assert after["Id"] == before["Id"] and after["State"]["Running"] is True
+    assert after["State"]["StartedAt"] == before["State"]["StartedAt"], "never restarted"
+    assert after["Config"]["Labels"][LABEL_SANDBOX_ID] == FIRST
+    assert _env_of(after)["STIGMER_TOKEN"] == token
+    assert _env_of(after)["STIGMER_TASK_QUEUE"] == f"wfexec:{FIRST}"
+    assert await p.probe("workflow", SECOND) == "absent"
+    assert await p.probe("workflow", FIRST) == "running"
+
+    assert (await executor.run(Deprovision("workflow", SECOND, 0))).ok
+    left = _messages(caplog, LOG_LEFT_ALONE)
+    assert [(r.__dict__["id"], r.__dict__["ownerId"], r.__dict__["container"]) for r in left] == [
+        (SECOND, FIRST, name)
+    ]
+    still = await asyncio.to_thread(_inspect, client, name)
+    assert still["Id"] == before["Id"] and still["State"]["Running"] is True
+    assert [m.sandbox_id for m in await p.list_managed()] == [FIRST]
+
+    assert (await executor.run(Deprovision("workflow", FIRST, 0))).ok
+    assert await p.probe("workflow", FIRST) == "absent"
+    assert await p.list_managed() == []
