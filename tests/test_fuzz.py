@@ -24,6 +24,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from consumers.ops.settings import load_settings
 from events.codec import MAX_PAYLOAD_BYTES, DecodeError, decode_input, encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
+from tests.barrier import barrier
 from tests.chaos_verify import read_all
 from tests.pod_harness import PodProcess, unique_env
 
@@ -256,7 +257,9 @@ async def test_a_fuzzed_stream_dead_letters_every_bad_record_and_processes_every
         expected_outcomes = 2 * VALID_EXECUTIONS + len(late_creates)
         outcomes = await _wait_for(kafka_bootstrap, topics.outcomes, expected_outcomes, pod, 180)
         dead = await _wait_for(kafka_bootstrap, topics.dead_letter, len(bad), pod, 60)
-        await asyncio.sleep(2.0)  # anything extra would show now
+        # Sentinels behind every record: once the pod applied them and folded every driver call,
+        # anything extra would be in the topics now.
+        await barrier(kafka_bootstrap, env, timeout_s=120)
         dead = await read_all(kafka_bootstrap, topics.dead_letter)
         outcomes = await read_all(kafka_bootstrap, topics.outcomes)
         assert pod.proc is not None and pod.proc.poll() is None, "the pod stopped"

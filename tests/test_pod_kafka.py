@@ -22,6 +22,7 @@ from drivers.contract import SandboxEnvironment, SandboxProbeState, SandboxScope
 from drivers.local_process import new_local_process_provisioner
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
+from tests.barrier import barrier, read_settled
 from tests.pod_harness import (
     PodProcess,
     latest_states,
@@ -80,6 +81,16 @@ def outcome_types(records: list) -> list[str]:  # type: ignore[type-arg]
     return [type(r.message).__name__ for r in records]
 
 
+async def gone(queue: str, timeout_s: float = 10.0) -> bool:
+    """No runner process for ``queue`` any more (a torn-down runner may take a moment to be reaped)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while runner_pids(queue):
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
 @pytest.mark.parametrize("guarantee", ["exactly_once", "at_least_once"])
 async def test_end_to_end_both_lanes_with_real_runner_processes(
     kafka_bootstrap: str, tmp_path: Path, guarantee: str
@@ -114,15 +125,16 @@ async def test_end_to_end_both_lanes_with_real_runner_processes(
             wf_phase(f"wfx_e2e_{RUN}", common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_COMPLETED),
             inputs_pb2.SessionDeleted(meta=new_meta(), session_id=f"ses_e2e_{RUN}"),
         )
-        everything = await read_topic(kafka_bootstrap, topics.outcomes, at_least=4)
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=4)
+        await barrier(kafka_bootstrap, env)
+        everything = await read_settled(kafka_bootstrap, topics.outcomes)
         assert sorted(outcome_types(everything)) == [
             "SandboxDeprovisioned",
             "SandboxDeprovisioned",
             "SandboxProvisioned",
             "SandboxProvisioned",
         ]
-        await asyncio.sleep(0.5)
-        assert runner_pids(f"wfexec:wfx_e2e_{RUN}") == [] and runner_pids(f"session:ses_e2e_{RUN}") == []
+        assert await gone(f"wfexec:wfx_e2e_{RUN}") and await gone(f"session:ses_e2e_{RUN}")
 
     states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=5))
     wf_state = states[f"wfx_e2e_{RUN}"]
@@ -167,21 +179,14 @@ async def test_provisioning_failures_on_a_real_driver_prestamp_and_refuse(
             wf_phase("wfx_fail", common_pb2.EXECUTION_PENDING, common_pb2.EXECUTION_FAILED),
         )
 
-        async def wf_fail_phase() -> int:
-            return latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=1))[
-                "wfx_fail"
-            ].phase
-
-        deadline = asyncio.get_running_loop().time() + 30
-        while await wf_fail_phase() != common_pb2.EXECUTION_FAILED:
-            assert asyncio.get_running_loop().time() < deadline, "the phase change was not applied"
-            await asyncio.sleep(0.5)
-        assert len(await read_topic(kafka_bootstrap, topics.outcomes, at_least=2, settle_s=2.0)) == 2
+        await barrier(kafka_bootstrap, env)
+        assert len(await read_settled(kafka_bootstrap, topics.outcomes)) == 2
     states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=3))
     assert states["axr_fail"].status_error == session.message
     assert states["axr_fail"].phase == common_pb2.EXECUTION_PENDING
     refused = states["wfx_fail"]
     assert refused.refused and refused.refusal_reason == workflow.reason and refused.sandboxes
+    assert refused.phase == common_pb2.EXECUTION_FAILED
 
 
 async def test_a_redelivered_input_changes_nothing(kafka_bootstrap: str, tmp_path: Path) -> None:
@@ -208,7 +213,9 @@ async def test_a_redelivered_input_changes_nothing(kafka_bootstrap: str, tmp_pat
     async with running_pod(env, provisioner=Counting()):  # type: ignore[arg-type]
         await produce(kafka_bootstrap, env, created, created, created)
         await produce(kafka_bootstrap, env, wf_created(f"wfx_dup_{RUN}"))  # a second create under a new id
-        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1, settle_s=2.0)
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
+        await barrier(kafka_bootstrap, env)
+        outcomes = await read_settled(kafka_bootstrap, topics.outcomes)
     assert outcome_types(outcomes) == ["SandboxProvisioned"]
     assert calls == [f"wfx_dup_{RUN}"]
     await real.deprovision("workflow", f"wfx_dup_{RUN}")
@@ -239,8 +246,10 @@ async def test_bad_input_goes_to_the_dead_letter_topic_with_its_reason_and_the_p
             wf_phase("wfx_never", common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_COMPLETED),
         )
         await produce_raw(kafka_bootstrap, topics.execution_created, good.value, good.key, headers)
-        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
-        dead = await read_topic(kafka_bootstrap, topics.dead_letter, at_least=6)
+        await read_topic(kafka_bootstrap, topics.dead_letter, at_least=6)
+        await barrier(kafka_bootstrap, env)
+        outcomes = await read_settled(kafka_bootstrap, topics.outcomes)
+        dead = await read_settled(kafka_bootstrap, topics.dead_letter)
         assert composed.pod.stats.dead_lettered == 6
     assert outcome_types(outcomes) == ["SandboxProvisioned"]
     reasons = [r.headers["dlq_reason"] for r in dead]
@@ -289,21 +298,22 @@ async def test_a_killed_pod_restarts_recovers_state_from_the_compacted_topic_and
     second = PodProcess({**env, "SANDBOX_LANES_POD_ID": "pod-b"}, tmp_path / "pod-2.log")
     second.start()
     try:
-        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2, timeout_s=60)
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=2, timeout_s=60)
+        await barrier(kafka_bootstrap, env)
+        outcomes = await read_settled(kafka_bootstrap, topics.outcomes)
         assert outcome_types(outcomes) == ["SandboxProvisioned", "SandboxDeprovisioned"], (
             first.log()[-4000:] + "\n----\n" + second.log()[-4000:]
         )
         await second.wait_for_log("duplicate input ignored")
         assert '"keys": 1' in second.log() or '"keys": 1,' in second.log()
-        await asyncio.sleep(0.5)
-        assert runner_pids(f"wfexec:wfx_crash_{RUN}") == []  # the new pod found and ended the old pod's child
+        assert await gone(f"wfexec:wfx_crash_{RUN}")  # the new pod found and ended the old pod's child
         assert (
             not Path(f"/proc/{runner}").exists() or "Z" in Path(f"/proc/{runner}/stat").read_text().split()[2]
         )
+        dead = await read_settled(kafka_bootstrap, topics.dead_letter)
     finally:
         code, seconds = second.terminate()
     assert code == 0 and seconds < 30
-    dead = await read_topic(kafka_bootstrap, topics.dead_letter, settle_s=0.5, timeout_s=5)
     assert dead == []
 
 
@@ -346,7 +356,9 @@ async def test_a_recovered_workflow_gets_a_runner_again_through_kafka(
             done,
             wf_phase(wf, common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_COMPLETED),
         )
-        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=4, settle_s=2.0)
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=4)
+        await barrier(kafka_bootstrap, env)
+        outcomes = await read_settled(kafka_bootstrap, topics.outcomes)
     assert outcome_types(outcomes) == [
         "SandboxProvisioned",
         "SandboxDeprovisioned",
@@ -404,11 +416,10 @@ async def test_a_sessions_creates_and_its_delete_are_applied_in_order_through_ka
         assert runner_pids(queue) == []
         # A create applied after the delete (the pod saw the delete): nothing provisioned.
         await produce(kafka_bootstrap, env, agent_created(late, session))
-        deadline = asyncio.get_running_loop().time() + 30
+        await barrier(kafka_bootstrap, env)
         states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=1))
-        while late not in states and asyncio.get_running_loop().time() < deadline:
-            states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=1))
-        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=2, settle_s=2.0)
+        outcomes = await read_settled(kafka_bootstrap, topics.outcomes)
+        dead = await read_settled(kafka_bootstrap, topics.dead_letter)
         assert runner_pids(queue) == []
     assert len(outcomes) == 2
     assert states[late].created and states[late].refused
@@ -421,4 +432,4 @@ async def test_a_sessions_creates_and_its_delete_are_applied_in_order_through_ka
     ]
     keyed = [(r.key, r.partition) for r in inputs if r.key in (session, first, late)]
     assert keyed == [(session, home)] * 3
-    assert await read_topic(kafka_bootstrap, topics.dead_letter, settle_s=0.5, timeout_s=5) == []
+    assert dead == []
