@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime as dt
 import importlib.util
 import json
 import logging
@@ -412,7 +413,8 @@ async def one_run(
     rng = random.Random(f"{opts.seed}/{guarantee}")
     feed_s = opts.feed_seconds or max(20.0, opts.executions / 60.0)
     rate = opts.executions / feed_s
-    workload = generate(opts.executions, opts.seed, rate_per_s=rate)
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    workload = generate(opts.executions, opts.seed, rate_per_s=rate, base=now)
     work.mkdir(parents=True, exist_ok=True)
     env = unique_env(
         bootstrap,

@@ -77,10 +77,12 @@ def generate(
     early_share: float = 0.02,
     retry_share: float = 0.02,
     session_delete_share: float = 0.2,
+    base: dt.datetime = dt.datetime(2025, 1, 1, tzinfo=dt.UTC),
 ) -> Workload:
+    """``base`` is the feed's start as the records' occurred_at say (a live run passes the wall clock,
+    so no record looks days old or ahead of its Kafka timestamp to the pod)."""
     rng = random.Random(seed)
     run = _run_id(rng)
-    base = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
     plan: list[Planned] = []
     early: list[Planned] = []
     counter = 0
