@@ -27,6 +27,59 @@ BUILT_IN_SANDBOX_PROVISIONER_TYPES: Mapping[str, str] = {
 }
 
 
+_KUBE_OPTIONS = frozenset(
+    {
+        "kubeconfig",
+        "kubeconfig_context",
+        "request_timeout",
+        "max_pool_size",
+        "storage_size",
+        "storage_class",
+        "cpu_request",
+        "memory_request",
+        "cpu_limit",
+        "memory_limit",
+    }
+)
+#: The ``SANDBOX_LANES_DRIVER_OPTIONS`` keys each built-in reads (its module docstring and README table
+#: say what they mean): any other key is a typo the settings refuse, never silently ignored.
+#: ``tests/test_config.py`` checks this table against the keys the drivers' sources read.
+BUILT_IN_OPTION_KEYS: Mapping[str, frozenset[str]] = {
+    "local-process": frozenset({"state_dir", "grace_seconds"}),
+    "docker": frozenset(
+        {
+            "docker_host",
+            "api_version",
+            "timeout",
+            "image",
+            "entrypoint",
+            "command",
+            "memory",
+            "cpus",
+            "pids_limit",
+            "network",
+            "hardened",
+            "read_only",
+            "max_pool_size",
+        }
+    ),
+    "kubernetes": _KUBE_OPTIONS,
+    "agent-sandbox": _KUBE_OPTIONS
+    | {
+        "warm_pool_size",
+        "warm_assignment",
+        "warm_adopt_timeout_seconds",
+        "suspend_after_seconds",
+        "sweep_interval_seconds",
+    },
+}
+
+
+def option_keys(provisioner_type: str) -> frozenset[str] | None:
+    """The option keys a driver reads; ``None`` when not declared (an extension: its keys pass)."""
+    return BUILT_IN_OPTION_KEYS.get(provisioner_type)
+
+
 class UnknownProvisionerError(ValueError):
     """Boot-fatal: the configured driver name is not known."""
 

@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,6 +25,7 @@ from google.protobuf.message import Message
 from consumers.ops.compose import Composed, compose
 from consumers.ops.settings import load_settings
 from consumers.tools.topic_io import topic_for
+from consumers.tools.topics import create_input_topics
 from events.codec import ALL_TYPES, INPUT_TYPES, OUTCOME_TYPES, decode, decode_state, encode, header, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
 
@@ -153,10 +155,22 @@ def latest_states(records: list[Received]) -> dict[str, state_pb2.ExecutionState
     return states
 
 
+async def create_inputs(env: dict[str, str]) -> None:
+    """The producing side's part before a pod starts: the pod never creates its input topics."""
+    await create_input_topics(load_settings(env))
+
+
+def create_inputs_blocking(env: dict[str, str]) -> None:
+    """:func:`create_inputs` from synchronous code (a thread of its own: the caller may be in a loop)."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, create_inputs(env)).result()
+
+
 @contextlib.asynccontextmanager
 async def running_pod(env: dict[str, str], **compose_kwargs: Any) -> AsyncIterator[Composed]:
     """An in-process pod, ready (partitions assigned, state restored) when the block starts."""
     settings = load_settings(env)
+    await create_input_topics(settings)
     composed = compose(settings, logging.getLogger("sandbox_lanes"), **compose_kwargs)
     task = asyncio.create_task(composed.pod.run())
     try:
@@ -184,6 +198,7 @@ class PodProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        create_inputs_blocking(self.env)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "consumers.tools.cli", "run", "--log-level", "info"],

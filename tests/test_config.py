@@ -34,7 +34,10 @@ INVALID: list[tuple[str, str, str]] = [
     ("SANDBOX_LANES_CREATE_TOPICS", "2", "allowed: true, false"),
     ("SANDBOX_LANES_PARTITIONS", "three", "is not a whole number"),
     ("SANDBOX_LANES_PARTITIONS", "0", "must be at least 1"),
-    ("SANDBOX_LANES_REPLICATION", "-1", "must be at least 1"),
+    ("SANDBOX_LANES_REPLICATION", "0", "allowed: -1 (the broker's default) or a whole number"),
+    ("SANDBOX_LANES_REPLICATION", "-2", "allowed: -1 (the broker's default) or a whole number"),
+    ("SANDBOX_LANES_REAP_INTERVAL_S", "abc", "is not a number"),
+    ("SANDBOX_LANES_REAP_GRACE_S", "-1", "must be zero or positive"),
     ("SANDBOX_LANES_SESSION_TIMEOUT_MS", "10", "must be at least 1000"),
     ("SANDBOX_LANES_SHUTDOWN_TIMEOUT_S", "soon", "is not a number"),
     ("SANDBOX_LANES_ENSURE_TIMEOUT_S", "0", "must be positive"),
@@ -380,3 +383,159 @@ def test_a_credential_provider_is_chosen_by_its_installed_entry_point_name() -> 
         load_settings({"SANDBOX_LANES_CREDENTIAL_PROVIDER": "vault"})
     assert "SANDBOX_LANES_CREDENTIAL_PROVIDER='vault' is invalid" in str(err.value)
     assert "known: 'test-capability'" in str(err.value)
+
+
+# --- one validation path: `config check` refuses exactly what `run` refuses ------------------------
+
+#: Configurations `run` used to end in a traceback (or a silent default) with; `config show` passed them.
+REFUSED: list[tuple[str, dict[str, str], str]] = [
+    (
+        "docker without its backend endpoint",
+        {"SANDBOX_PROVISIONER_TYPE": "docker"},
+        "sandbox provisioner 'docker' requires STIGMER_SANDBOX_BACKEND_ENDPOINT",
+    ),
+    (
+        "kubernetes off-cluster",
+        {
+            "SANDBOX_PROVISIONER_TYPE": "kubernetes",
+            "STIGMER_SANDBOX_BACKEND_ENDPOINT": "http://stigmer:8080",
+            "KUBECONFIG": "/nonexistent/kubeconfig",
+        },
+        "sandbox provisioner 'kubernetes': no usable Kubernetes client config",
+    ),
+    (
+        "a bad driver option value",
+        {
+            "SANDBOX_PROVISIONER_TYPE": "docker",
+            "STIGMER_SANDBOX_BACKEND_ENDPOINT": "http://stigmer:8080",
+            "SANDBOX_LANES_DRIVER_OPTIONS": "memory=lots",
+        },
+        "memory",
+    ),
+    (
+        "a misspelled driver option",
+        {
+            "SANDBOX_PROVISIONER_TYPE": "docker",
+            "STIGMER_SANDBOX_BACKEND_ENDPOINT": "http://stigmer:8080",
+            "SANDBOX_LANES_DRIVER_OPTIONS": "memroy=512m",
+        },
+        "unknown option 'memroy' for driver 'docker'; did you mean 'memory'?",
+    ),
+    ("a reap interval that is no number", {"SANDBOX_LANES_REAP_INTERVAL_S": "abc"}, "is not a number"),
+    (
+        "a misspelled setting",
+        {"SANDBOX_LANES_REPLICATON": "3"},
+        "unknown setting 'SANDBOX_LANES_REPLICATON'; did you mean 'SANDBOX_LANES_REPLICATION'?",
+    ),
+    (
+        "a misspelled upstream setting",
+        {"STIGMER_SANDBOX_BACKEND_ENDPONT": "http://stigmer:8080"},
+        "did you mean 'STIGMER_SANDBOX_BACKEND_ENDPOINT'?",
+    ),
+]
+
+
+def _cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SANDBOX_", "STIGMER_", "KUBE"))}
+    return subprocess.run(
+        [sys.executable, "-m", "consumers.tools.cli", *argv],
+        env={
+            **base,
+            "PYTHONPATH": str(ROOT),
+            "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1",  # nothing listens: a start would fail later
+            "SANDBOX_LANES_HTTP_PORT": "0",
+            "STIGMER_ACTIVITY_ROUTING": "session",
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(("what", "env", "needle"), REFUSED, ids=[c[0] for c in REFUSED])
+def test_config_check_and_run_refuse_the_same_in_one_line_with_exit_2(
+    what: str, env: dict[str, str], needle: str
+) -> None:
+    check, run = _cli(env, "config", "check"), _cli(env, "run")
+    for proc in (check, run):
+        assert proc.returncode == 2, (what, proc.stderr)
+        (line,) = proc.stderr.splitlines()  # one line, no traceback
+        assert line.startswith("sandbox-lanes: configuration error: ") and needle in line, line
+    assert check.stderr == run.stderr
+
+
+def test_config_check_builds_the_driver_without_touching_anything(tmp_path: Path) -> None:
+    """local-process: the factory validates its options; its state dir is not even created."""
+    state = tmp_path / "sandboxes"
+    ok = _cli(
+        {
+            "SANDBOX_PROVISIONER_TYPE": "local-process",
+            "SANDBOX_LANES_DRIVER_OPTIONS": f"state_dir={state},grace_seconds=5",
+        },
+        "config",
+        "check",
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == "configuration ok: driver 'local-process', 0 warning(s)"
+    assert not state.exists()
+    bad = _cli(
+        {"SANDBOX_PROVISIONER_TYPE": "local-process", "SANDBOX_LANES_DRIVER_OPTIONS": "grace_seconds=soon"},
+        "config",
+        "check",
+    )
+    assert bad.returncode == 2 and "grace_seconds" in bad.stderr, bad.stderr
+
+
+def test_unknown_names_refused_or_warned_and_legit_dynamic_names_passed() -> None:
+    settings = load_settings(
+        {
+            "STIGMER_TEMPORAL_API_KEY": "k",  # the server's Temporal connection: handed to runners
+            "STIGMER_SANDBOX_RUNNER_ENV": "STIGMER_EXTRA_FLAG",  # a listed runner name
+            "STIGMER_EXTRA_FLAG": "1",
+            "SANDBOX_LANES_FORBID_SKIPS": "1",  # the dev tools' own
+            "STIGMER_SERVER_PORT": "7000",  # upstream's server reads more STIGMER_* names: warned
+        }
+    )
+    assert settings.warnings == ("STIGMER_SERVER_PORT is not a setting of this pod; ignored",)
+    with pytest.raises(ConfigError, match="unknown setting 'SANDBOX_LANES_SHINY'"):
+        load_settings({"SANDBOX_LANES_SHINY": "1"})
+
+
+def test_the_option_table_covers_every_key_a_driver_reads() -> None:
+    """drivers/registry.py BUILT_IN_OPTION_KEYS against the literal keys the drivers' sources read."""
+    import re
+
+    from drivers.registry import BUILT_IN_OPTION_KEYS
+
+    sources = {
+        "local-process": ["local_process.py"],
+        "docker": ["docker_driver.py"],
+        "kubernetes": ["kubernetes_driver.py", "kubernetes_manifests.py"],
+        "agent-sandbox": [
+            "kubernetes_driver.py",
+            "kubernetes_manifests.py",
+            "agent_sandbox_driver.py",
+            "agent_sandbox_manifests.py",
+            "agent_sandbox_idle.py",
+        ],
+    }
+    read = re.compile(r"""(?:options|\bo)(?:\.get\(|\[)\s*"([a-z_]+)"|"([a-z_]+)" in o\b""")
+    for driver, files in sources.items():
+        text = "".join((ROOT / "drivers" / f).read_text() for f in files)
+        keys = {a or b for a, b in read.findall(text)}
+        if driver in ("kubernetes", "agent-sandbox"):
+            keys |= {"cpu_request", "memory_request", "cpu_limit", "memory_limit"}  # DEFAULT_RESOURCES
+        if driver == "agent-sandbox":
+            keys |= {"suspend_after_seconds", "sweep_interval_seconds"}  # agent_sandbox_idle's constants
+        assert keys <= BUILT_IN_OPTION_KEYS[driver], (driver, keys - BUILT_IN_OPTION_KEYS[driver])
+
+
+def test_config_show_and_check_take_the_config_flag_after_the_subcommand(tmp_path: Path) -> None:
+    path = tmp_path / "after.yaml"
+    path.write_text("SANDBOX_LANES_GROUP_ID: after-subcommand\n")
+    shown = _cli({}, "config", "show", "--config", str(path))
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["SANDBOX_LANES_GROUP_ID"] == "after-subcommand"
+    checked = _cli({}, "config", "check", "--config", str(path))
+    assert checked.returncode == 0, checked.stderr

@@ -36,7 +36,13 @@ class Composed:
 
 
 def build_provisioner(settings: Settings, logger: logging.Logger) -> SandboxProvisioner | None:
-    provisioner = new_sandbox_provisioner(settings.provisioner_type, settings.driver, logger)
+    """The configured driver, built and not started: a factory validates its options and finds its
+    client configuration (kubeconfig, in-cluster account) without calling anything, so ``config check``
+    builds it too. What a factory refuses (a ValueError, upstream's boot-fatal error) is a ConfigError."""
+    try:
+        provisioner = new_sandbox_provisioner(settings.provisioner_type, settings.driver, logger)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if provisioner is None:
         return None
     if (

@@ -45,7 +45,7 @@ def read_config_file(path: Path, known: Collection[str]) -> dict[str, str]:
         if not _NAME.match(name):
             raise ConfigFileError(f"{path}: {name!r} is not an environment variable name (A-Z, 0-9, _)")
         if name.startswith(_OWN_PREFIX) and name not in known:
-            raise ConfigFileError(f"{path}: unknown setting {name!r}{_suggest(name, known)}")
+            raise ConfigFileError(f"{path}: unknown setting {name!r}{did_you_mean(name, known)}")
         if name == CONFIG_FILE_ENV:
             raise ConfigFileError(f"{path}: {CONFIG_FILE_ENV} cannot be set from the config file itself")
     return values
@@ -107,7 +107,8 @@ def _from_dotenv(path: Path, text: str) -> dict[str, str]:
     return values
 
 
-def _suggest(name: str, known: Collection[str]) -> str:
+def did_you_mean(name: str, known: Collection[str]) -> str:
+    """``; did you mean 'X'?`` for the closest known name, or ``""``."""
     import difflib
 
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)

@@ -26,7 +26,7 @@ from consumers.lanes.constants import (
     WORKFLOW_ROUTING_GLOBAL,
 )
 from consumers.lanes.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
-from consumers.ops.config_file import CONFIG_FILE_ENV, ConfigFileError, merge, read_config_file
+from consumers.ops.config_file import CONFIG_FILE_ENV, ConfigFileError, did_you_mean, merge, read_config_file
 from consumers.runtime.kafka_security import KafkaSecurity, KafkaSecurityError
 from consumers.runtime.sink import Guarantee
 from consumers.runtime.topology import Topics
@@ -97,9 +97,22 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("SANDBOX_LANES_PROCESSING_GUARANTEE", "exactly_once", "exactly_once or at_least_once"),
     Setting("SANDBOX_LANES_SEQUENTIAL_PRODUCE", "false", "one record per produce request (needed on Tansu)"),
-    Setting("SANDBOX_LANES_PARTITIONS", "3", "partitions of topics the pod creates"),
-    Setting("SANDBOX_LANES_REPLICATION", "1", "replication factor of topics the pod creates"),
-    Setting("SANDBOX_LANES_CREATE_TOPICS", "true", "create missing topics at start-up"),
+    Setting(
+        "SANDBOX_LANES_PARTITIONS",
+        "3",
+        "partitions of the topics `sandbox-lanes topics` plans (the pod creates its own with the "
+        "inputs' count)",
+    ),
+    Setting(
+        "SANDBOX_LANES_REPLICATION",
+        "-1",
+        "replication factor of created topics (-1 = the broker's default.replication.factor)",
+    ),
+    Setting(
+        "SANDBOX_LANES_CREATE_TOPICS",
+        "true",
+        "create the pod's own missing topics (state, outcomes, dead letters) at start-up; inputs never",
+    ),
     Setting("SANDBOX_LANES_TOPIC_EXECUTION_CREATED", "execution-created", "input: ExecutionCreated"),
     Setting("SANDBOX_LANES_TOPIC_PHASE_CHANGED", "phase-changed", "input: PhaseChanged"),
     Setting("SANDBOX_LANES_TOPIC_SESSION_DELETED", "session-deleted", "input: SessionDeleted"),
@@ -111,7 +124,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "SANDBOX_LANES_DEAD_LETTER_ATTEMPTS",
         "3",
-        "attempts of a record whose transaction fails the same way each time (size, encoding) before it is dead-lettered",
+        "attempts of a record whose transaction fails the same way each time (size, encoding) before it "
+        "is dead-lettered",
     ),
     Setting(
         "SANDBOX_LANES_MAX_CLOCK_AHEAD_S",
@@ -211,7 +225,25 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("SANDBOX_LANES_LOG_LEVEL", "info", "debug, info, warning or error (--log-level wins)"),
     Setting("SANDBOX_LANES_LOG_FORMAT", "auto", "auto (human on a terminal, else JSON), json or human"),
     Setting("SANDBOX_LANES_CONFIG_FILE", "", "optional YAML or .env file of these variables (env wins)"),
+    Setting(
+        "SANDBOX_LANES_REVISION",
+        "",
+        "source revision of this build (set by the image; the revision label of sandbox_lanes_build_info)",
+    ),
 )
+
+#: ``SANDBOX_LANES_*`` names read by the dev harness and the bench, not by the pod: accepted (a test
+#: run exports them to every pod it starts), never a setting.
+TOOL_ENV_NAMES: frozenset[str] = frozenset(
+    {
+        "SANDBOX_LANES_CACHE",
+        "SANDBOX_LANES_FORBID_SKIPS",
+        "SANDBOX_LANES_KAFKA_JVM_OPTS",
+        "SANDBOX_LANES_KUBE_VERSION",
+    }
+)
+_OWN_PREFIX = "SANDBOX_LANES_"
+_UPSTREAM_PREFIX = "STIGMER_"
 
 #: Drivers that start an image: its runner's HOME is the image's, never a listed value.
 IMAGE_DRIVERS: frozenset[str] = frozenset({"docker", "kubernetes", "agent-sandbox"})
@@ -246,6 +278,31 @@ def _int(env: Mapping[str, str], name: str, minimum: int = 1) -> int:
         raise ConfigError(f"{name}={value!r} is not a whole number") from None
     if number < minimum:
         raise ConfigError(f"{name}={number} must be at least {minimum}")
+    return number
+
+
+def _replication(env: Mapping[str, str]) -> int:
+    value = _get(env, "SANDBOX_LANES_REPLICATION")
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1 and number != -1:
+        raise ConfigError(
+            f"SANDBOX_LANES_REPLICATION={value!r} is invalid; allowed: -1 (the broker's default) or a whole "
+            f"number of at least 1"
+        )
+    return number
+
+
+def _seconds_or_zero(env: Mapping[str, str], name: str) -> float:
+    value = _get(env, name)
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a number") from None
+    if number < 0:
+        raise ConfigError(f"{name}={number:g} must be zero or positive")
     return number
 
 
@@ -463,6 +520,42 @@ def _credential_provider(env: Mapping[str, str]) -> str:
     return name
 
 
+def _unknown_names(env: Mapping[str, str], runner_names: set[str]) -> list[str]:
+    """Refuse an unknown ``SANDBOX_LANES_*`` name, and a ``STIGMER_*`` name close to one of ours (a
+    typo); the warnings for other ``STIGMER_*`` names (upstream's server reads more of them, so a
+    shared ConfigMap may carry them). Passed through: ``STIGMER_TEMPORAL_*`` (the server's Temporal
+    connection, handed to every runner), names listed for the runners, the dev tools' names."""
+    known = set(_BY_NAME)
+    warnings = []
+    for name in sorted(env):
+        if name in known or name in TOOL_ENV_NAMES or name in runner_names:
+            continue
+        if name.startswith(_OWN_PREFIX):
+            raise ConfigError(
+                f"unknown setting {name!r}{did_you_mean(name, known)} (see `sandbox-lanes config show`)"
+            )
+        if name.startswith(_UPSTREAM_PREFIX) and not name.startswith(TEMPORAL_CONNECTION_PREFIX):
+            hint = did_you_mean(name, known)
+            if hint:
+                raise ConfigError(f"unknown setting {name!r}{hint}")
+            warnings.append(f"{name} is not a setting of this pod; ignored")
+    return warnings
+
+
+def _driver_option_keys(provisioner_type: str, options: Mapping[str, str]) -> None:
+    from drivers.registry import option_keys
+
+    allowed = option_keys(provisioner_type)
+    if allowed is None:
+        return
+    for key in options:
+        if key not in allowed:
+            raise ConfigError(
+                f"SANDBOX_LANES_DRIVER_OPTIONS: unknown option {key!r} for driver '{provisioner_type}'"
+                f"{did_you_mean(key, allowed)} (known: {', '.join(sorted(allowed))})"
+            )
+
+
 def _target_warnings(env: Mapping[str, str]) -> list[str]:
     warnings = []
     for name in ("STIGMER_DEFAULT_EXECUTION_TARGET", "STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET"):
@@ -497,6 +590,9 @@ class Settings:
     ensure_timeout_s: float
     teardown_timeout_s: float
     provisioner_type: str
+    #: Seconds between the pod's reaper passes (0 = off) and the reaper's grace period.
+    reap_interval_s: float
+    reap_grace_s: float
     agent: AgentExecutionTemporalConfig
     workflow: WorkflowExecutionTemporalConfig
     driver: DriverConfig
@@ -568,6 +664,12 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     provisioner_type = _provisioner_type(env)
     runner_env_names = _name_list(env, "STIGMER_SANDBOX_RUNNER_ENV")
     secret_names = _name_list(env, "STIGMER_SANDBOX_RUNNER_SECRETS")
+    name_warnings = _unknown_names(env, {*runner_env_names, *secret_names})
+    if provisioner_type:
+        _driver_option_keys(
+            provisioner_type,
+            _options({"SANDBOX_LANES_DRIVER_OPTIONS": _get(env, "SANDBOX_LANES_DRIVER_OPTIONS")}),
+        )
     for var, listed in [
         *(("STIGMER_SANDBOX_RUNNER_ENV", n) for n in runner_env_names),
         *(("STIGMER_SANDBOX_RUNNER_SECRETS", n) for n in secret_names),
@@ -625,7 +727,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         guarantee=guarantee,  # type: ignore[arg-type]
         sequential_produce=_bool(env, "SANDBOX_LANES_SEQUENTIAL_PRODUCE"),
         partitions=_int(env, "SANDBOX_LANES_PARTITIONS"),
-        replication=_int(env, "SANDBOX_LANES_REPLICATION"),
+        replication=_replication(env),
         create_topics=_bool(env, "SANDBOX_LANES_CREATE_TOPICS"),
         topics=_topics(env),
         session_timeout_ms=_int(env, "SANDBOX_LANES_SESSION_TIMEOUT_MS", 1000),
@@ -639,6 +741,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ensure_timeout_s=_float(env, "SANDBOX_LANES_ENSURE_TIMEOUT_S"),
         teardown_timeout_s=_float(env, "SANDBOX_LANES_TEARDOWN_TIMEOUT_S"),
         provisioner_type=provisioner_type,
+        reap_interval_s=_seconds_or_zero(env, "SANDBOX_LANES_REAP_INTERVAL_S"),
+        reap_grace_s=_seconds_or_zero(env, "SANDBOX_LANES_REAP_GRACE_S"),
         agent=agent,
         workflow=workflow,
         driver=driver,
@@ -649,7 +753,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         log_level=_log_level(env),
         log_format=_choice(env, "SANDBOX_LANES_LOG_FORMAT", _LOG_FORMATS),
         config_file=config_file,
-        warnings=tuple(_target_warnings(env)),
+        warnings=(*_target_warnings(env), *name_warnings),
         runner_token_key=token_key,
         credential_provider=_credential_provider(env),
         kafka_security=_kafka_security(env),

