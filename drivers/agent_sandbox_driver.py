@@ -19,6 +19,14 @@ deprovision deletes the Sandbox in the foreground (404 = success); the garbage c
 Secret, the pod and the claim with it. probe: absent (missing or being deleted), running
 (operatingMode Running or unset), else stopped.
 
+Ownership (two ids can share a name: 48 bits of sha256): the Sandbox, the claim and the Secret each
+carry the ``stigmer.ai/sandbox-id`` label, and the driver reads it before it writes a token into the
+Secret, wakes a Sandbox (the wake patch also tests the label, so a replacement in between is not
+woken), hands a claim its secrets, or deletes a Sandbox or claim (by uid precondition). Another
+sandbox's object fails the ensure with :class:`~drivers.contract.SandboxCollision` naming it and its
+owner, and is never written; a deprovision leaves it alone and logs it (``LOG_LEFT_ALONE``); a probe
+reports it ``absent``.
+
 The idle sweep (``start_background``) suspends Running session Sandboxes idle for the window
 (``drivers.agent_sandbox_idle``), every interval. It never deletes. The session's activity comes
 from the pod's own state (``SessionActivityReader``); a session this pod does not own is left to
@@ -64,6 +72,7 @@ from drivers.contract import (
     SCOPES,
     DriverConfig,
     ManagedSandbox,
+    SandboxCollision,
     SandboxEnvironment,
     SandboxError,
     SandboxProbeState,
@@ -73,6 +82,8 @@ from drivers.contract import (
 from drivers.kubernetes_driver import (
     APPLY_CONTENT_TYPE,
     FIELD_MANAGER,
+    LOG_LEFT_ALONE,
+    Found,
     KubernetesProvisioner,
     boot_checks,
     load_client_configuration,
@@ -80,6 +91,15 @@ from drivers.kubernetes_driver import (
 )
 from drivers.kubernetes_manifests import MANAGED_SELECTOR, secret_name
 from drivers.naming import LABEL_SANDBOX_ID, LABEL_SCOPE, sandbox_base_name
+
+#: The JSON Pointer of the owner label (``/`` escaped as ``~1``).
+SANDBOX_ID_LABEL_PATH: Final = "/metadata/labels/" + LABEL_SANDBOX_ID.replace("~", "~0").replace("/", "~1")
+
+
+def owner_test_op(sandbox_id: str) -> dict[str, Any]:
+    """A JSON Patch ``test`` op: the patch applies only to an object labelled with this sandbox's id."""
+    return {"op": "test", "path": SANDBOX_ID_LABEL_PATH, "value": sandbox_id}
+
 
 DRIVER_NAME: Final = "agent-sandbox"
 JSON_PATCH_CONTENT_TYPE: Final = "application/json-patch+json"
@@ -174,6 +194,12 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
 
     async def call(self, action: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await self._call(action, fn, *args, **kwargs)
+
+    def found(self, obj: Mapping[str, Any], kind: str) -> Found:
+        """A Sandbox or claim read from the API, for the ownership check."""
+        meta = obj.get("metadata") or {}
+        where = f"{self._ns}/{meta.get('name', '')}"
+        return Found(kind, where, meta.get("labels"), str(meta.get("uid", "")))
 
     def bind_metrics(self, registry: Any) -> None:
         """The warm-pool metrics on the pod's registry (``/metrics``)."""
@@ -279,6 +305,8 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         base = sandbox_base_name(scope, sandbox_id)
         async with self._lock(base):
             obj = await self._wait_out_deletion(base)
+            if obj is not None:  # another sandbox's is never written into nor woken
+                self.check_owner(self.found(obj, "Sandbox"), base, scope, sandbox_id)
             arm = "created"
             if obj is None and warm and self.warm is not None and scope in WARM_SCOPES:
                 claimed = await self._ensure_claimed(scope, sandbox_id, env)
@@ -299,13 +327,16 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
                         raise SandboxError(
                             f"{DRIVER_NAME} Sandbox {where} was reported to exist but cannot be read"
                         )
+                    self.check_owner(self.found(obj, "Sandbox"), base, scope, sandbox_id)
                     arm = "running" if _view(obj).running else "suspended"
             else:
                 arm = "running" if _view(obj).running else "suspended"
             uid = str((obj.get("metadata") or {}).get("uid", ""))
+            # A token goes only into a Secret that is absent or this sandbox's.
+            self.check_owner(await self.find("Secret", secret_name(base)), base, scope, sandbox_id)
             await self._write_secret(scope, sandbox_id, env, uid)
             if arm != "running" and not await self._patch(
-                base, wake_patch(self._config, scope, sandbox_id, env), env
+                base, [owner_test_op(sandbox_id), *wake_patch(self._config, scope, sandbox_id, env)], env
             ):
                 raise SandboxError(f"agent-sandbox Sandbox {self._ns}/{base} vanished while waking it")
             self.last_ensured[base] = self._clock()
@@ -332,6 +363,9 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         if self.warm.assignment == "async":
             return await self.warm.claim_async(scope, sandbox_id, env)
         base = sandbox_base_name(scope, sandbox_id)
+        claim = await self.read_claim(base)
+        if claim is not None and not (claim.get("metadata") or {}).get("deletionTimestamp"):
+            self.check_owner(self.found(claim, "SandboxClaim"), base, scope, sandbox_id)
         claimed = await self.warm.claimed_sandbox(base)
         if claimed is not None:
             try:
@@ -363,47 +397,78 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         return obj
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
+        """Delete this sandbox's Sandbox (and claim); another sandbox's is left alone."""
         base = sandbox_base_name(scope, sandbox_id)
-        if self.warm is not None:
-            await self.warm.cancel_delivery(base)  # nothing is handed to a sandbox on its way out
-        await self._call(
-            f"delete Sandbox {self._ns}/{base}",
-            self._custom.delete_namespaced_custom_object,
-            GROUP,
-            VERSION,
-            self._ns,
-            PLURAL,
-            base,
-            propagation_policy="Foreground",
-            tolerate=frozenset({404}),
-        )
+        sandbox = await self.read_sandbox(base)
+        found = [] if sandbox is None else [self.found(sandbox, "Sandbox")]
         if scope in WARM_SCOPES:  # a claim stands for it (also one left from a warm-enabled run)
-            await self._delete_claim(base)
-        self.last_ensured.pop(base, None)
-        lock = self._locks.get(base)
-        if lock is not None and not lock.locked():  # one lock per live sandbox, not per name ever seen
-            del self._locks[base]
+            claim = await self.read_claim(base)
+            if claim is not None:
+                found.append(self.found(claim, "SandboxClaim"))
+        left = [f for f in found if not f.owned_by(scope, sandbox_id)]
+        if self.warm is not None and not any(f.kind == "SandboxClaim" for f in left):
+            await self.warm.cancel_delivery(base)  # nothing is handed to a sandbox on its way out
+        for f in found:
+            if f in left:
+                self.left_alone(f, scope, sandbox_id)
+            elif f.kind == "Sandbox":
+                await self._delete_custom(GROUP, VERSION, PLURAL, f)
+            else:
+                await self._delete_custom(EXT_GROUP, EXT_VERSION, CLAIMS, f)
+        if not left:
+            self.last_ensured.pop(base, None)
+            lock = self._locks.get(base)
+            if lock is not None and not lock.locked():  # one lock per live sandbox, not per name ever seen
+                del self._locks[base]
         self._logger.info(
-            "agent-sandbox sandbox deprovisioned", extra={"scope": scope, "id": sandbox_id, "sandbox": base}
+            "agent-sandbox sandbox deprovisioned",
+            extra={
+                "scope": scope,
+                "id": sandbox_id,
+                "sandbox": base,
+                "leftAlone": [f.describe() for f in left],
+            },
         )
 
-    async def _delete_claim(self, base: str) -> None:
-        await self._call(
-            f"delete SandboxClaim {self._ns}/{base}",
-            self._custom.delete_namespaced_custom_object,
+    async def read_claim(self, base: str) -> dict[str, Any] | None:
+        """The SandboxClaim ``base``; ``None`` when absent (or the extensions' API is not installed)."""
+        obj = await self._call(
+            f"read SandboxClaim {self._ns}/{base}",
+            self._custom.get_namespaced_custom_object,
             EXT_GROUP,
             EXT_VERSION,
             self._ns,
             CLAIMS,
             base,
+            tolerate=frozenset({404}),
+        )
+        return obj if isinstance(obj, dict) else None
+
+    async def _delete_custom(self, group: str, version: str, plural: str, found: Found) -> None:
+        """Delete exactly the object checked (uid precondition: a 409 means it was replaced meanwhile)."""
+        name = found.where.split("/", 1)[1]
+        await self._call(
+            f"delete {found.kind} {found.where}",
+            self._custom.delete_namespaced_custom_object,
+            group,
+            version,
+            self._ns,
+            plural,
+            name,
             propagation_policy="Foreground",
-            tolerate=frozenset({404}),  # also when the extensions' API is not installed
+            body={"preconditions": {"uid": found.uid}} if found.uid else None,
+            tolerate=frozenset({404, 409}),
         )
 
     async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:
         base = sandbox_base_name(scope, sandbox_id)
         obj = await self.read_sandbox(base)
+        if obj is not None and not self.found(obj, "Sandbox").owned_by(scope, sandbox_id):
+            return "absent"  # another sandbox's: nothing of this one's is there
         if obj is None and self.warm is not None and scope in WARM_SCOPES:
+            claim = await self.read_claim(base)
+            if claim is not None and not self.found(claim, "SandboxClaim").owned_by(scope, sandbox_id):
+                return "absent"
             obj = await self.warm.claimed_sandbox(base)
         if obj is None or _view(obj).deleting:
             return "absent"
@@ -596,8 +661,10 @@ def new_agent_sandbox_provisioner(config: DriverConfig, logger: logging.Logger) 
 
 __all__ = [
     "DRIVER_NAME",
+    "LOG_LEFT_ALONE",
     "AgentSandboxProvisioner",
     "IdleSweep",
+    "SandboxCollision",
     "SessionActivityReader",
     "new_agent_sandbox_provisioner",
     "secret_name",

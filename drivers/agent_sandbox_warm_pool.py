@@ -55,7 +55,7 @@ from drivers.agent_sandbox_warm import (
     pool_name,
     template_manifest,
 )
-from drivers.contract import SandboxEnvironment, SandboxError, SandboxScope
+from drivers.contract import SandboxCollision, SandboxEnvironment, SandboxError, SandboxScope
 from drivers.kubernetes_driver import APPLY_CONTENT_TYPE, FIELD_MANAGER
 from drivers.kubernetes_manifests import CONTAINER_NAME, MANAGED_SELECTOR, secret_name
 from drivers.naming import sandbox_base_name
@@ -235,6 +235,12 @@ class WarmPool:
             tolerate=frozenset({404}),
         )
 
+    async def _check_claim_owner(self, base: str, scope: SandboxScope, sandbox_id: str) -> None:
+        """A claim found under the name (its create answered 409) must be this sandbox's."""
+        claim = await self.read_claim(base)
+        if claim is not None:
+            self._driver.check_owner(self._driver.found(claim, "SandboxClaim"), base, scope, sandbox_id)
+
     async def claimed_sandbox(self, name: str) -> dict[str, Any] | None:
         """The Sandbox a live claim ``name`` adopted or made, if any."""
         claim = await self.read_claim(name)
@@ -251,13 +257,16 @@ class WarmPool:
         started = time.monotonic()
         try:
             # (no extensions API or no RBAC for it: a miss, the cold path still works)
-            await self._create_claim(scope, sandbox_id, env)
+            if await self._create_claim(scope, sandbox_id, env) is None:
+                await self._check_claim_owner(base, scope, sandbox_id)
             sandbox = await self._wait_ready(base, started)
             if sandbox is None:
                 await self._miss(base, "not ready in time")
                 return None
             name = str(sandbox["metadata"]["name"])
             await self._assign(name, env)
+        except SandboxCollision:
+            raise  # another sandbox's claim: neither waited on, nor deleted as a miss
         except SandboxError as exc:
             d.logger.warning(
                 "agent-sandbox warm adoption failed; falling back to a cold sandbox",
@@ -285,6 +294,7 @@ class WarmPool:
         if claim is None:
             claim = await self.read_claim(base)
             if claim is not None and not (claim.get("metadata") or {}).get("deletionTimestamp"):
+                d.check_owner(d.found(claim, "SandboxClaim"), base, scope, sandbox_id)
                 arm = "claimed"
             else:
                 if claim is not None:
@@ -293,8 +303,10 @@ class WarmPool:
                 claim = await self._create_claim(scope, sandbox_id, env) or await self.read_claim(base)
         if claim is None:
             raise SandboxError(f"agent-sandbox SandboxClaim {base} was created but cannot be read")
+        d.check_owner(d.found(claim, "SandboxClaim"), base, scope, sandbox_id)
         uid = str((claim.get("metadata") or {}).get("uid", ""))
         secret = assignment_secret_manifest(d.config, scope, sandbox_id, data, uid)
+        d.check_owner(await d.find("Secret", secret["metadata"]["name"]), base, scope, sandbox_id)
         await d.call(
             f"apply Secret {d.config.kubernetes_namespace}/{secret['metadata']['name']}",
             d.core.patch_namespaced_secret,

@@ -28,16 +28,18 @@ from consumers.ops.settings import load_settings
 from consumers.tools.reaper import start_periodic_reaper
 from drivers.agent_sandbox_driver import (
     LOG_ENSURED,
+    LOG_LEFT_ALONE,
     NOT_INSTALLED,
     AgentSandboxProvisioner,
     new_agent_sandbox_provisioner,
 )
 from drivers.agent_sandbox_manifests import GROUP, PLURAL, VERSION, workspace_claim_name
-from drivers.contract import SandboxEnvironment, SandboxError
+from drivers.contract import SandboxCollision, SandboxEnvironment, SandboxError
 from drivers.kubernetes_manifests import secret_name
 from drivers.naming import sandbox_base_name
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
+from tests.collisions import FIRST, SECOND, assert_collide
 from tests.pod_harness import produce, read_topic, running_pod, unique_env
 from tests.test_kubernetes_node import (
     SMALL_RUNNER,
@@ -193,6 +195,108 @@ async def test_a_sandbox_being_deleted_is_waited_out_then_created_again(
     with pytest.raises(SandboxError, match=f"{base} is still being deleted after"):
         await as_driver.ensure("workflow", execution, env)
     _json_patch(custom, ns, base, [{"op": "remove", "path": "/metadata/finalizers"}])
+
+
+def _held(core: Any, custom: Any, ns: str, base: str) -> dict[str, Any]:
+    """What the second id must never change: the Sandbox's identity, labels and spec, its Secret."""
+    sandbox = _sandbox(custom, ns, base)
+    secret = core.read_namespaced_secret(secret_name(base), ns)
+    return {
+        "uid": sandbox["metadata"]["uid"],
+        "labels": sandbox["metadata"]["labels"],
+        "deleting": sandbox["metadata"].get("deletionTimestamp"),
+        "spec": sandbox["spec"],
+        "secret": (
+            secret.metadata.uid,
+            secret.metadata.resource_version,
+            secret.metadata.labels,
+            secret.data,
+        ),
+    }
+
+
+async def test_colliding_ids_never_touch_each_others_sandbox(
+    node_admin: Any, node_namespace: str, as_driver: AgentSandboxProvisioner, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two real ids with one sandbox name on the real controller: the second's ensure fails naming
+    the first's Sandbox (running or suspended: never woken, its Secret never written), and the
+    second's deprovision leaves it and its pod alone."""
+    caplog.set_level(logging.INFO, logger="test.agent_sandbox")
+    core, custom = client.CoreV1Api(node_admin), client.CustomObjectsApi(node_admin)
+    ns, base = node_namespace, assert_collide("workflow")
+    first_env = SandboxEnvironment(task_queue=f"wfexec:{FIRST}", stigmer_token="tok.first.value")
+    second_env = SandboxEnvironment(task_queue=f"wfexec:{SECOND}", stigmer_token="tok.second.value")
+    collision = (
+        f"agent-sandbox sandbox name collision: Sandbox {ns}/{base} belongs to workflow '{FIRST}', not to "
+        f"workflow '{SECOND}' (both map to the name {base}); the Sandbox was left untouched"
+    )
+
+    await as_driver.ensure("workflow", FIRST, first_env)
+    pod = await wait_for("the first's runner pod", lambda: running_runner_pod(core, ns, FIRST))
+    held = _held(core, custom, ns, base)
+
+    # Running: no token written into its Secret.
+    with pytest.raises(SandboxCollision) as err:
+        await as_driver.ensure("workflow", SECOND, second_env)
+    assert str(err.value) == collision
+    assert _held(core, custom, ns, base) == held
+    assert env_inside(core, ns, pod.metadata.name)["STIGMER_TOKEN"] == "tok.first.value"
+    assert await as_driver.probe("workflow", SECOND) == "absent"
+    assert await as_driver.probe("workflow", FIRST) == "running"
+
+    # Suspended: not woken onto the second's queue.
+    _json_patch(custom, ns, base, [{"op": "add", "path": "/spec/operatingMode", "value": "Suspended"}])
+    await wait_for("the pod to go", lambda: not runner_pods(core, ns, FIRST))
+    suspended = _held(core, custom, ns, base)
+    with pytest.raises(SandboxCollision) as err:
+        await as_driver.ensure("workflow", SECOND, second_env)
+    assert str(err.value) == collision
+    assert _held(core, custom, ns, base) == suspended
+    await asyncio.sleep(1.0)
+    assert runner_pods(core, ns, FIRST) == [] and runner_pods(core, ns, SECOND) == []
+    await as_driver.ensure("workflow", FIRST, first_env)  # the first's own ensure wakes it
+    pod = await wait_for("the first's pod again", lambda: running_runner_pod(core, ns, FIRST))
+    held = _held(core, custom, ns, base)
+
+    # The second's deprovision: nothing of the first's is deleted.
+    await as_driver.deprovision("workflow", SECOND)
+    left = [
+        r.__dict__["leftAlone"] for r in caplog.records if r.getMessage() == f"agent-sandbox {LOG_LEFT_ALONE}"
+    ]
+    assert left == [f"Sandbox {ns}/{base} (owned by workflow '{FIRST}')"]
+    await asyncio.sleep(1.0)
+    assert _held(core, custom, ns, base) == held
+    assert running_runner_pod(core, ns, FIRST).metadata.uid == pod.metadata.uid
+
+    # The first's deprovision: gone.
+    await as_driver.deprovision("workflow", FIRST)
+    await wait_for("the Sandbox to go", lambda: gone(lambda: _sandbox(custom, ns, base)))
+    await wait_for(
+        "its Secret to go", lambda: gone(lambda: core.read_namespaced_secret(secret_name(base), ns))
+    )
+    await wait_for("its pod to go", lambda: not runner_pods(core, ns, FIRST))
+    assert await as_driver.probe("workflow", FIRST) == "absent"
+
+    # A Secret of the first's left without its Sandbox (orphaned): the second's token is not written
+    # into it; the second's own Suspended Sandbox is its own to deprovision.
+    await as_driver.ensure("workflow", FIRST, first_env)
+    orphan = core.read_namespaced_secret(secret_name(base), ns)
+    custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, base, propagation_policy="Orphan")
+    await wait_for("the first's Sandbox to go", lambda: gone(lambda: _sandbox(custom, ns, base)))
+    with pytest.raises(SandboxCollision) as err:
+        await as_driver.ensure("workflow", SECOND, second_env)
+    assert str(err.value) == (
+        f"agent-sandbox sandbox name collision: Secret {ns}/{secret_name(base)} belongs to workflow "
+        f"'{FIRST}', not to workflow '{SECOND}' (both map to the name {base}); the Secret was left untouched"
+    )
+    kept = core.read_namespaced_secret(secret_name(base), ns)
+    assert (kept.metadata.uid, kept.data) == (orphan.metadata.uid, orphan.data)
+    assert _sandbox(custom, ns, base)["metadata"]["labels"]["stigmer.ai/sandbox-id"] == SECOND
+    assert _sandbox(custom, ns, base)["spec"]["operatingMode"] == "Suspended", "never woken"
+    await as_driver.deprovision("workflow", SECOND)
+    await wait_for("the second's Sandbox to go", lambda: gone(lambda: _sandbox(custom, ns, base)))
+    assert core.read_namespaced_secret(secret_name(base), ns).metadata.uid == orphan.metadata.uid
+    core.delete_namespaced_secret(secret_name(base), ns)
 
 
 async def test_without_the_agent_sandbox_api_the_create_says_to_install_it(
