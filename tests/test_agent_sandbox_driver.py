@@ -251,8 +251,7 @@ async def test_colliding_ids_never_touch_each_others_sandbox(
     with pytest.raises(SandboxCollision) as err:
         await as_driver.ensure("workflow", SECOND, second_env)
     assert str(err.value) == collision
-    assert _held(core, custom, ns, base) == suspended
-    await asyncio.sleep(1.0)
+    assert _held(core, custom, ns, base) == suspended  # still Suspended: the controller starts nothing
     assert runner_pods(core, ns, FIRST) == [] and runner_pods(core, ns, SECOND) == []
     await as_driver.ensure("workflow", FIRST, first_env)  # the first's own ensure wakes it
     pod = await wait_for("the first's pod again", lambda: running_runner_pod(core, ns, FIRST))
@@ -264,8 +263,7 @@ async def test_colliding_ids_never_touch_each_others_sandbox(
         r.__dict__["leftAlone"] for r in caplog.records if r.getMessage() == f"agent-sandbox {LOG_LEFT_ALONE}"
     ]
     assert left == [f"Sandbox {ns}/{base} (owned by workflow '{FIRST}')"]
-    await asyncio.sleep(1.0)
-    assert _held(core, custom, ns, base) == held
+    assert _held(core, custom, ns, base) == held  # no deletionTimestamp: a foreground delete sets it at once
     assert running_runner_pod(core, ns, FIRST).metadata.uid == pod.metadata.uid
 
     # The first's deprovision: gone.
