@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from consumers.ops.compose import compose
 from consumers.ops.http_server import OpsServer
 from consumers.ops.settings import load_settings
 from consumers.runtime.topology import ensure_topics
@@ -38,6 +41,7 @@ from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
 from tests.pod_harness import (
     ROOT,
     PodProcess,
+    create_inputs,
     produce,
     produce_raw,
     read_topic,
@@ -129,6 +133,7 @@ async def test_metrics_health_and_readiness_of_a_running_pod(kafka_bootstrap: st
         tmp_path,
         SANDBOX_PROVISIONER_TYPE="memory",
         SANDBOX_LANES_DRIVER_OPTIONS="teardown_failure_rate=1",  # every teardown fails: "leaked"
+        SANDBOX_LANES_REVISION="0123abc",  # what the image's build argument sets
         **http_env(),
     )
     port = int(env["SANDBOX_LANES_HTTP_PORT"])
@@ -145,6 +150,7 @@ async def test_metrics_health_and_readiness_of_a_running_pod(kafka_bootstrap: st
         "assigned_partitions": 6,  # 3 input topics x 2 partitions
         "seconds_since_loop": ready["seconds_since_loop"],
         "detail": "ok",
+        "commits_failing_seconds": 0.0,
     }
     assert float(str(ready["seconds_since_loop"])) < 5
 
@@ -162,8 +168,18 @@ async def test_metrics_health_and_readiness_of_a_running_pod(kafka_bootstrap: st
         "sandbox_lanes_state_store_keys",
         "sandbox_lanes_state_restore_seconds",
         "sandbox_lanes_state_restored_keys",
+        "sandbox_lanes_ready",
+        "sandbox_lanes_assigned_partitions",
+        "sandbox_lanes_commits_failing_seconds",
+        "sandbox_lanes_build_info",
+        "process_cpu_seconds",  # the prometheus_client process collector
+        "process_resident_memory_bytes",
+        "process_open_fds",
     } <= families
     idle = samples(text)
+    assert value(idle, "sandbox_lanes_build_info", version="0.1.0", revision="0123abc") == 1
+    assert (value(idle, "sandbox_lanes_ready"), value(idle, "sandbox_lanes_assigned_partitions")) == (1, 6)
+    assert value(idle, "sandbox_lanes_commits_failing_seconds") == 0
     # The lag gauge is refreshed on scrape, for every assigned input partition once the consumer
     # knows its high watermark (after its first fetch response, which a loaded machine may delay).
     expected_lag = {(t, p): 0.0 for t in topics.inputs for p in ("0", "1")}
@@ -310,7 +326,7 @@ async def test_readiness_follows_state_recovery(kafka_bootstrap: str, tmp_path: 
     assert (503, "restoring state") in seen, seen
     assert all(code == 503 for code, _ in seen[:-1]), seen
     # Before the restore: not running yet or waiting for the assignment; never ready before it ends.
-    order = ["not running", "no partitions assigned", "restoring state", "ok"]
+    order = ["not running", "joining the group", "taking partitions over", "restoring state", "ok"]
     assert [order.index(d) for _, d in seen] == sorted(order.index(d) for _, d in seen), seen
     # While restoring the loop stays alive (liveness must not restart a pod that is recovering).
     parsed = samples((await http_get(port, "/metrics"))[2])
@@ -407,13 +423,15 @@ async def test_a_stalled_loop_fails_liveness_and_readiness_then_recovers(
             await ops.stop()
 
 
-async def test_commits_that_keep_failing_fail_liveness_then_recover(
+@pytest.mark.kafka
+async def test_commits_that_keep_failing_fail_readiness_not_liveness_then_recover(
     kafka_bootstrap: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A pod whose every commit fails turns its loop but decides nothing durable: 503 with the
-    reason, then 200 once a commit goes through, and the record is decided exactly once. (The
-    failure is injected at the commit call, the transaction is real and aborted for real; a real
-    fence is tests/test_zombie_fencing.py's.)"""
+    """A pod whose every commit fails (a broker refusing writes, a missing ACL) turns its loop: it
+    stays alive (a restart would only add a state restore, on every pod at once), /readyz says 503
+    with the reason and the gauges say how long; once a commit goes through it is ready again and the
+    record is decided exactly once. (The failure is injected at the commit call, the transaction is
+    real and aborted for real; a real missing ACL is tests/test_kafka_security.py's.)"""
     from aiokafka.errors import KafkaError
 
     from consumers.runtime.sink import BatchSink
@@ -436,19 +454,109 @@ async def test_commits_that_keep_failing_fail_liveness_then_recover(
         ops = OpsServer(composed.pod, composed.metrics, host="127.0.0.1", port=0, stall_after_s=1.0)
         await ops.start()
         try:
-            await wait_for_status(ops.port, "/healthz", 200)
+            await wait_for_status(ops.port, "/readyz", 200)
             monkeypatch.setattr(BatchSink, "commit", commit)
             await produce(kafka_bootstrap, env, wf_created("wfx_failing_commits_1"))
-            wedged = await wait_for_status(ops.port, "/healthz", 503, timeout_s=20)
+            wedged = await wait_for_status(ops.port, "/readyz", 503, timeout_s=20)
             assert str(wedged["detail"]).startswith("commits failing for "), wedged
+            assert wedged["alive"] is True
+            assert (await http_get(ops.port, "/healthz"))[0] == 200  # liveness: the loop turns
+            scraped = samples((await http_get(ops.port, "/metrics"))[2])
+            assert value(scraped, "sandbox_lanes_ready") == 0
+            assert (value(scraped, "sandbox_lanes_commits_failing_seconds") or 0) >= 1.0
             assert attempts >= 2  # rewound and retried, not given up
             failing.clear()
-            recovered = await wait_for_status(ops.port, "/healthz", 200, timeout_s=20)
-            assert recovered["detail"] == "ok"
+            recovered = await wait_for_status(ops.port, "/readyz", 200, timeout_s=20)
+            assert recovered["detail"] == "ok" and recovered["commits_failing_seconds"] == 0
             outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1, settle_s=1.0)
             assert [type(r.message).__name__ for r in outcomes] == ["SandboxProvisioned"]
         finally:
             await ops.stop()
+
+
+@pytest.mark.kafka
+async def test_a_member_with_no_partitions_is_ready_and_idle(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """More replicas than partitions (a rollout's surge, a scale-up): the member the group leaves
+    without partitions is ready, so a rollout does not stall on it."""
+    env = unique_env(
+        kafka_bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory", SANDBOX_LANES_PARTITIONS="1"
+    )
+    async with running_pod(env, provisioner=MemoryProvisioner()):  # the first member: every partition
+        settings = load_settings({**env, "SANDBOX_LANES_POD_ID": "pod-idle"})
+        idle = compose(settings, logging.getLogger("sandbox_lanes"), provisioner=MemoryProvisioner())
+        task = asyncio.create_task(idle.pod.run())
+        ops = OpsServer(idle.pod, idle.metrics, host="127.0.0.1", port=0, stall_after_s=5.0)
+        await ops.start()
+        try:
+            ready = await wait_for_status(ops.port, "/readyz", 200, timeout_s=60)
+            assert (ready["detail"], ready["assigned_partitions"]) == ("idle: no partitions assigned", 0)
+            scraped = samples((await http_get(ops.port, "/metrics"))[2])
+            assert (
+                value(scraped, "sandbox_lanes_ready"),
+                value(scraped, "sandbox_lanes_assigned_partitions"),
+            ) == (
+                1,
+                0,
+            )
+        finally:
+            await ops.stop()
+            idle.pod.request_stop()
+            await asyncio.wait_for(task, 40)
+
+
+@pytest.mark.kafka
+async def test_static_membership_gets_the_partitions_back_without_a_rebalance(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """SANDBOX_LANES_STATIC_MEMBERSHIP: the group consumer joins as static member SANDBOX_LANES_POD_ID;
+    on the real broker a member restarted within the session timeout gets its partitions back and the
+    other member's generation does not move (no rebalance at all)."""
+    from consumers.ops.compose import pod_config
+    from consumers.runtime.clients import group_consumer_for
+
+    env = unique_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_LANES_STATIC_MEMBERSHIP="true",
+        SANDBOX_LANES_SESSION_TIMEOUT_MS="20000",
+    )
+    await create_inputs(env)
+    settings = load_settings(env)
+    topics = settings.topics
+
+    def member(pod_id: str) -> Any:
+        consumer = group_consumer_for(replace(pod_config(settings), pod_id=pod_id))
+        assert consumer._group_instance_id == pod_id
+        return consumer
+
+    async def assigned(consumer: Any) -> frozenset[Any]:
+        for _ in range(300):
+            await consumer.getmany(timeout_ms=100)
+            if consumer.assignment():
+                return frozenset(consumer.assignment())
+        raise TimeoutError("no assignment")
+
+    first, other = member("pod-0"), member("pod-1")
+    for consumer in (first, other):
+        await consumer.start()
+        consumer.subscribe(list(topics.inputs))
+    try:
+        before = await assigned(first)
+        await assigned(other)
+        generation = other._coordinator.generation
+        await first.stop()  # a static member leaves no LeaveGroup: the group waits for it
+        again = member("pod-0")
+        await again.start()
+        again.subscribe(list(topics.inputs))
+        try:
+            assert await assigned(again) == before
+            for _ in range(20):
+                await other.getmany(timeout_ms=100)
+            assert other._coordinator.generation == generation  # no rebalance
+        finally:
+            await again.stop()
+    finally:
+        await other.stop()
 
 
 # --- start-up failures -------------------------------------------------------------------------------

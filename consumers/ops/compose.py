@@ -54,6 +54,15 @@ def build_provisioner(settings: Settings, logger: logging.Logger) -> SandboxProv
     return provisioner
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sandbox-lanes")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def pod_config(settings: Settings) -> PodConfig:
     return PodConfig(
         bootstrap=settings.bootstrap,
@@ -64,6 +73,7 @@ def pod_config(settings: Settings) -> PodConfig:
         guarantee=settings.guarantee,
         sequential_produce=settings.sequential_produce,
         pod_id=settings.pod_id,
+        static_membership=settings.static_membership,
         session_timeout_ms=settings.session_timeout_ms,
         shutdown_timeout_s=settings.shutdown_timeout_s,
         driver_concurrency=settings.driver_concurrency,
@@ -88,6 +98,7 @@ def compose(
     if provisioner is None:
         provisioner = build_provisioner(settings, logger)
     metrics = PodMetrics()
+    metrics.set_build(package_version(), settings.revision)
     bind_metrics = getattr(provisioner, "bind_metrics", None)
     if bind_metrics is not None:  # a driver's own metrics (agent-sandbox's warm pool) on /metrics
         bind_metrics(metrics.registry)

@@ -5,10 +5,14 @@
   assignment (high watermark - position), so an idle pod reports its real lag and a revoked
   partition's series disappears.
 * ``GET /healthz``: liveness. 200 while the consume loop turned within
-  ``SANDBOX_LANES_STALL_SECONDS``, else 503. Body: :class:`~consumers.runtime.pod.Health` as JSON.
-* ``GET /readyz``: readiness. 200 when alive, the state of every assigned partition is restored and
-  at least one partition is assigned; 503 (with the reason in ``detail``) while starting, restoring
-  or stalled.
+  ``SANDBOX_LANES_STALL_SECONDS``, else 503; failing commits never fail it (a broker outage or a
+  missing ACL would restart every pod). Body: :class:`~consumers.runtime.pod_config.Health` as JSON.
+* ``GET /readyz``: readiness. 200 when alive, commits not failing for the stall window, and the state
+  of every assigned partition restored, or, with no partition assigned, the group joined (an idle
+  member is ready); 503 (with the reason in ``detail``) while starting, restoring, failing or stalled.
+
+Each scrape also sets ``sandbox_lanes_ready``, ``sandbox_lanes_assigned_partitions`` and
+``sandbox_lanes_commits_failing_seconds`` from the same assessment.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
+from consumers.runtime.clients import group_joined
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod import Pod
+from consumers.runtime.pod_config import Health, with_membership
 
 logger = logging.getLogger("sandbox_lanes.http")
 
@@ -78,18 +84,27 @@ class OpsServer:
 
     # --- handlers ----------------------------------------------------------------------------
 
+    def health(self) -> Health:
+        """The pod's health, knowing the group membership (an idle member is ready)."""
+        health = self.pod.health(self.stall_after_s)
+        return with_membership(health, group_joined(self.pod.consumer), self.stall_after_s)
+
     async def handle_metrics(self, request: web.Request) -> web.Response:
         await self.refresh_lag()
+        health = self.health()
+        self.metrics.ready.set(1 if health.ready else 0)
+        self.metrics.assigned_partitions.set(health.assigned_partitions)
+        self.metrics.commits_failing.set(health.commits_failing_seconds)
         # generate_latest (the text format) unless the scraper asks for OpenMetrics.
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         return web.Response(body=encoder(self.metrics.registry), headers={"Content-Type": content_type})
 
     async def handle_healthz(self, request: web.Request) -> web.Response:
-        health = self.pod.health(self.stall_after_s)
+        health = self.health()
         return web.json_response(dataclasses.asdict(health), status=200 if health.alive else 503)
 
     async def handle_readyz(self, request: web.Request) -> web.Response:
-        health = self.pod.health(self.stall_after_s)
+        health = self.health()
         return web.json_response(dataclasses.asdict(health), status=200 if health.ready else 503)
 
     async def handle_index(self, request: web.Request) -> web.Response:

@@ -95,6 +95,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "SANDBOX_LANES_POD_ID", "", "this instance's id (default: hostname); part of the transactional id"
     ),
+    Setting(
+        "SANDBOX_LANES_STATIC_MEMBERSHIP",
+        "false",
+        "join the group as static member SANDBOX_LANES_POD_ID (KIP-345): only with stable pod names",
+    ),
     Setting("SANDBOX_LANES_PROCESSING_GUARANTEE", "exactly_once", "exactly_once or at_least_once"),
     Setting("SANDBOX_LANES_SEQUENTIAL_PRODUCE", "false", "one record per produce request (needed on Tansu)"),
     Setting(
@@ -575,6 +580,7 @@ class Settings:
     pod_id: str
     guarantee: Guarantee
     sequential_produce: bool
+    static_membership: bool
     partitions: int
     replication: int
     create_topics: bool
@@ -611,6 +617,8 @@ class Settings:
     credential_provider: str = ""
     #: How every Kafka client of the pod and its tools authenticates (TLS, SASL).
     kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
+    #: The source revision of this build (the image sets SANDBOX_LANES_REVISION); "" = unknown.
+    revision: str = ""
 
     @property
     def secret_values(self) -> list[str]:
@@ -726,6 +734,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         pod_id=_get(env, "SANDBOX_LANES_POD_ID") or socket.gethostname(),
         guarantee=guarantee,  # type: ignore[arg-type]
         sequential_produce=_bool(env, "SANDBOX_LANES_SEQUENTIAL_PRODUCE"),
+        static_membership=_bool(env, "SANDBOX_LANES_STATIC_MEMBERSHIP"),
         partitions=_int(env, "SANDBOX_LANES_PARTITIONS"),
         replication=_replication(env),
         create_topics=_bool(env, "SANDBOX_LANES_CREATE_TOPICS"),
@@ -757,4 +766,5 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         runner_token_key=token_key,
         credential_provider=_credential_provider(env),
         kafka_security=_kafka_security(env),
+        revision=_get(env, "SANDBOX_LANES_REVISION"),
     )

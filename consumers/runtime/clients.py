@@ -34,6 +34,7 @@ def group_consumer_for(cfg: PodConfig) -> AIOKafkaConsumer:
     return AIOKafkaConsumer(
         bootstrap_servers=cfg.bootstrap,
         group_id=cfg.group_id,
+        group_instance_id=cfg.pod_id if cfg.static_membership else None,
         client_id=f"sandbox-lanes-{cfg.pod_id}",
         enable_auto_commit=False,
         auto_offset_reset="earliest",
@@ -46,6 +47,14 @@ def group_consumer_for(cfg: PodConfig) -> AIOKafkaConsumer:
         partition_assignment_strategy=(RangePartitionAssignor,),
         **cfg.security.client_options(),
     )
+
+
+def group_joined(consumer: AIOKafkaConsumer | None) -> bool:
+    """Whether the consumer is a member of its group now (a generation > 0), partitions or none.
+    aiokafka has no public accessor; its coordinator's ``generation`` is read defensively."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    generation = getattr(coordinator, "generation", -1)
+    return isinstance(generation, int) and generation > 0
 
 
 class RebalanceHooks(ConsumerRebalanceListener):  # type: ignore[misc]

@@ -6,7 +6,7 @@ names, topic/partition) — never ids, never anything a producer controls freely
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from consumers.lanes.commands import Decision, Deprovision, Ensure, Outcome
 from events.codec import OutcomeEvent
@@ -39,6 +39,25 @@ class PodMetrics:
             "sandbox_lanes_dead_letters", "Records sent to the dead-letter topic", registry=r
         )
         self.duplicates = Counter("sandbox_lanes_duplicates", "Redelivered inputs ignored", registry=r)
+        self.assigned_partitions = Gauge(
+            "sandbox_lanes_assigned_partitions",
+            "Input partitions assigned to this pod (0 on an idle member)",
+            registry=r,
+        )
+        self.commits_failing = Gauge(
+            "sandbox_lanes_commits_failing_seconds",
+            "How long every commit has failed (0 once one goes through)",
+            registry=r,
+        )
+        self.ready = Gauge("sandbox_lanes_ready", "1 while /readyz answers 200", registry=r)
+        self.build_info = Gauge(
+            "sandbox_lanes_build_info",
+            "The running build (value 1): package version and source revision",
+            ["version", "revision"],
+            registry=r,
+        )
+        # process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds, ...
+        ProcessCollector(registry=r)
         self.consumer_lag = Gauge(
             "sandbox_lanes_consumer_lag",
             "Records behind the high watermark",
@@ -90,6 +109,11 @@ class PodMetrics:
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._driver_children: dict[tuple[str, str, str], Histogram] = {}
         self._consumed_children: dict[str, Counter] = {}
+
+    def set_build(self, version: str, revision: str) -> None:
+        """``sandbox_lanes_build_info{version, revision} 1`` (one series: a previous one is removed)."""
+        self.build_info.clear()
+        self.build_info.labels(version or "unknown", revision or "unknown").set(1)
 
     def _decision(self, lane: str, outcome: str) -> Counter:
         child = self._decision_children.get((lane, outcome))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.sink import Guarantee
@@ -23,6 +23,9 @@ class PodConfig:
     guarantee: Guarantee = "exactly_once"
     sequential_produce: bool = False
     pod_id: str = field(default_factory=socket.gethostname)
+    #: Join the group as static member ``pod_id`` (KIP-345): a restart within the session timeout
+    #: gets its partitions back without a rebalance. Only with stable pod names (a StatefulSet).
+    static_membership: bool = False
     session_timeout_ms: int = 10_000
     heartbeat_interval_ms: int = 3_000
     max_batch: int = 500
@@ -72,6 +75,8 @@ class Health:
     assigned_partitions: int
     seconds_since_loop: float
     detail: str
+    #: How long every commit has failed (0 after a commit went through).
+    commits_failing_seconds: float = 0.0
 
 
 def assess_health(
@@ -84,21 +89,26 @@ def assess_health(
     restoring: bool,
     restored: bool,
     stall_after_s: float,
+    joined: bool = False,
 ) -> Health:
-    """Alive: the loop turned, and a commit succeeded, within ``stall_after_s``.
+    """Alive (liveness): the loop turned within ``stall_after_s``. Nothing else: a broker outage or a
+    missing ACL fails the commits of every pod at once, and restarting them all would only add a
+    state restore each; the loop retries every turn and carries on when the broker does.
 
-    Ready: alive, state restored, partitions held. A pod whose commits keep failing (a
-    producer in a fatal state, a broker it cannot write to) turns its loop but decides
-    nothing durable: liveness fails so that its supervisor restarts it.
+    Ready (readiness): alive, commits not failing for ``stall_after_s``, and either the state of
+    every assigned partition restored, or no partition assigned once the group is ``joined`` (an
+    idle member: more replicas than partitions; it takes over when one leaves). Not ready keeps a
+    rollout from going on while the new pods cannot commit.
     """
     since = now - last_loop
     # Failing: no commit succeeded since the first failure, and they still fail (a pod that
-    # failed and then had nothing to commit, e.g. its partitions moved away, is not wedged).
+    # failed and then had nothing to commit, e.g. its partitions moved away, is not failing).
     failing = stats.commits_failing_since
     still = now - stats.last_commit_failure < stall_after_s
     failing_for = now - failing if failing is not None and still else 0.0
-    alive = running and since < stall_after_s and failing_for < stall_after_s
-    ready = alive and not restoring and restored and assigned > 0
+    alive = running and since < stall_after_s
+    serving = (restored and not restoring) if assigned > 0 else joined
+    ready = alive and failing_for < stall_after_s and serving
     if not running:
         detail = "not running"
     elif since >= stall_after_s:
@@ -108,7 +118,23 @@ def assess_health(
     elif restoring:
         detail = "restoring state"
     elif assigned == 0:
-        detail = "no partitions assigned"
+        detail = "idle: no partitions assigned" if joined else "joining the group"
+    elif not restored:
+        detail = "taking partitions over"
     else:
         detail = "ok"
-    return Health(alive, ready, restoring, assigned, since, detail)
+    return Health(alive, ready, restoring, assigned, since, detail, failing_for)
+
+
+def with_membership(health: Health, joined: bool, stall_after_s: float) -> Health:
+    """``health`` as :func:`assess_health` says it knowing whether the group is joined (the HTTP server
+    reads that from the consumer): a joined member with no partitions, alive and committing, is ready."""
+    if (
+        not joined
+        or health.assigned_partitions
+        or not health.alive
+        or health.restoring
+        or health.commits_failing_seconds >= stall_after_s
+    ):
+        return health
+    return replace(health, ready=True, detail="idle: no partitions assigned")
