@@ -28,6 +28,14 @@ CONTENT_TYPE: Final = "application/protobuf"
 TYPE_PREFIX: Final = "sandbox_lanes.v1."
 #: Payloads above this size are refused (dead-lettered), not parsed.
 MAX_PAYLOAD_BYTES: Final = 1 << 20
+#: An input event's payload limit. The state, outbox entries and outcomes an input produces
+#: repeat its fields (an execution id up to 7 times), so an input of at most 64 KiB keeps every
+#: record derived from it under the producer's 1 MiB request limit; the pod also checks each
+#: derived record's size before it sends it (``consumers.runtime.record_limits``).
+MAX_INPUT_BYTES: Final = 64 * 1024
+#: protobuf's ``Timestamp`` range: 0001-01-01T00:00:00Z .. 9999-12-31T23:59:59.999999999Z.
+TIMESTAMP_MIN_SECONDS: Final = -62_135_596_800
+TIMESTAMP_MAX_SECONDS: Final = 253_402_300_799
 
 InputEvent: TypeAlias = inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged | inputs_pb2.SessionDeleted
 OutcomeEvent: TypeAlias = (
@@ -277,8 +285,14 @@ def decode(
     headers: Iterable[tuple[str, bytes]] | None,
     *,
     allowed: dict[str, type[Message]] = INPUT_TYPES,
+    record_time_ms: int | None = None,
+    max_ahead_s: float | None = None,
 ) -> Message:
-    """Decode one record, or raise :class:`DecodeError` naming what is wrong."""
+    """Decode one record, or raise :class:`DecodeError` naming what is wrong.
+
+    With ``max_ahead_s``, an input whose ``occurred_at`` is more than that ahead of
+    ``record_time_ms`` (the record's timestamp) is refused.
+    """
     ce_type = header(headers, "ce_type")
     if ce_type is None or ce_type == "":
         raise DecodeError("missing ce_type header")
@@ -287,8 +301,9 @@ def decode(
         raise DecodeError(f"unknown event type '{ce_type}'")
     if value is None:
         raise DecodeError("empty payload (tombstone) where an event was expected")
-    if len(value) > MAX_PAYLOAD_BYTES:
-        raise DecodeError(f"payload of {len(value)} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte limit")
+    limit = MAX_INPUT_BYTES if ce_type in INPUT_TYPES else MAX_PAYLOAD_BYTES
+    if len(value) > limit:
+        raise DecodeError(f"payload of {len(value)} bytes exceeds the {limit}-byte limit")
     message = cls()
     try:
         message.ParseFromString(value)
@@ -296,15 +311,72 @@ def decode(
         raise DecodeError(f"payload does not decode as {ce_type}: {exc}") from exc
     descriptor: Descriptor = message.DESCRIPTOR  # type: ignore[assignment]  # upb's Descriptor is the same API
     _check_enums(message, descriptor)
+    _check_timestamps(message, descriptor)
     if ce_type in INPUT_TYPES:
-        _validate_input(message, key)
+        _validate_input(message, key, record_time_ms, max_ahead_s)
     return message
 
 
-def _validate_input(message: Message, key: bytes | None) -> None:
+_TIMESTAMP_TYPE: Final = timestamp_pb2.Timestamp.DESCRIPTOR.full_name
+#: Per message type: its singular message fields, and whether each is a Timestamp.
+_TIMESTAMP_PLANS: dict[str, tuple[tuple[str, bool, Descriptor], ...]] = {}
+
+
+def _timestamp_plan(descriptor: Descriptor) -> tuple[tuple[str, bool, Descriptor], ...]:
+    plan = _TIMESTAMP_PLANS.get(descriptor.full_name)
+    if plan is None:
+        plan = tuple(
+            (f.name, f.message_type.full_name == _TIMESTAMP_TYPE, f.message_type)
+            for f in descriptor.fields
+            if f.type == FieldDescriptor.TYPE_MESSAGE and not f.is_repeated and f.message_type is not None
+        )
+        _TIMESTAMP_PLANS[descriptor.full_name] = plan
+    return plan
+
+
+def _check_timestamps(message: Message, descriptor: Descriptor, path: str = "") -> None:
+    """Every Timestamp inside protobuf's range: its JSON form (``ce_time``) raises outside it.
+
+    Parsing the binary form accepts any seconds and nanos, so an out-of-range value would be
+    applied and then fail every record derived from it, on every retry.
+    """
+    for name, is_timestamp, sub in _timestamp_plan(descriptor):
+        if not message.HasField(name):
+            continue
+        value = getattr(message, name)
+        if is_timestamp:
+            if not TIMESTAMP_MIN_SECONDS <= value.seconds <= TIMESTAMP_MAX_SECONDS:
+                raise DecodeError(
+                    f"{path}{name} seconds {value.seconds} is outside protobuf's Timestamp range "
+                    f"(0001-01-01 .. 9999-12-31)"
+                )
+            if not 0 <= value.nanos <= 999_999_999:
+                raise DecodeError(f"{path}{name} nanos {value.nanos} is outside 0 .. 999999999")
+        else:
+            _check_timestamps(value, sub, f"{path}{name}.")
+
+
+def _validate_input(
+    message: Message, key: bytes | None, record_time_ms: int | None, max_ahead_s: float | None
+) -> None:
     meta: common_pb2.EventMeta = getattr(message, "meta")  # noqa: B009
     if not message.HasField("meta") or not meta.event_id:
         raise DecodeError("missing meta.event_id")
+    if (
+        max_ahead_s is not None
+        and record_time_ms is not None
+        and record_time_ms >= 0
+        and meta.HasField("occurred_at")
+    ):
+        occurred_ms = meta.occurred_at.seconds * 1000 + meta.occurred_at.nanos // 1_000_000
+        ahead_s = (occurred_ms - record_time_ms) / 1000
+        if ahead_s > max_ahead_s:
+            # A stored phase is ordered by occurred_at: an event from the future would make every
+            # real phase change after it stale, so its execution could never be torn down.
+            raise DecodeError(
+                f"meta.occurred_at is {ahead_s:.0f}s ahead of the record's timestamp "
+                f"(allowed: {max_ahead_s:g}s of clock skew)"
+            )
     if meta.schema_version > SCHEMA_VERSION:
         raise DecodeError(
             f"unsupported schema_version {meta.schema_version} (this pod reads {SCHEMA_VERSION})"
@@ -330,10 +402,17 @@ def _validate_input(message: Message, key: bytes | None) -> None:
 
 
 def decode_input(
-    key: bytes | None, value: bytes | None, headers: Iterable[tuple[str, bytes]] | None
+    key: bytes | None,
+    value: bytes | None,
+    headers: Iterable[tuple[str, bytes]] | None,
+    *,
+    record_time_ms: int | None = None,
+    max_ahead_s: float | None = None,
 ) -> InputEvent:
     """:func:`decode` restricted to the input events, typed as such."""
-    message = decode(key, value, headers, allowed=INPUT_TYPES)
+    message = decode(
+        key, value, headers, allowed=INPUT_TYPES, record_time_ms=record_time_ms, max_ahead_s=max_ahead_s
+    )
     assert isinstance(
         message, inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged | inputs_pb2.SessionDeleted
     )

@@ -1,25 +1,76 @@
-"""The dead-letter record for an input the pod cannot trust: the original, and why, where from, by whom."""
+"""The dead-letter record for an input the pod cannot trust: the original, and why, where from, by whom.
+
+A dead letter always fits under the record limit: a key, value or header set too large to copy
+is cut, and the original's size and SHA-256 stand in for the part cut. A dead letter that could
+not be produced would stop its partition, which is what dead-lettering exists to prevent.
+"""
 
 from __future__ import annotations
 
+import hashlib
+from typing import Final
+
 from aiokafka import ConsumerRecord
 
-from events.codec import MAX_PAYLOAD_BYTES, EncodedRecord
+from consumers.runtime.failures import RECORD_LIMIT_BYTES, record_size
+from events.codec import EncodedRecord
+
+#: What a dead letter keeps of the original's key and headers (a key is an id; headers are
+#: metadata); the value gets the rest of the record limit.
+KEY_KEPT_BYTES: Final = 4 * 1024
+HEADERS_KEPT_BYTES: Final = 64 * 1024
+REASON_KEPT_CHARS: Final = 4 * 1024
+#: Room for the size, hash and mark of a cut part.
+_CUT_HEADERS_BYTES: Final = 256
+
+
+def _cut(name: str, data: bytes, kept: int, headers: list[tuple[str, bytes]]) -> bytes:
+    if len(data) <= kept:
+        return data
+    headers.append((f"dlq_{name}_size", str(len(data)).encode()))
+    headers.append((f"dlq_{name}_sha256", hashlib.sha256(data).hexdigest().encode()))
+    headers.append((f"dlq_{name}_truncated", b"true"))
+    return data[:kept]
+
+
+def bounded_reason(reason: str) -> str:
+    if len(reason) <= REASON_KEPT_CHARS:
+        return reason
+    return f"{reason[:REASON_KEPT_CHARS]}… ({len(reason) - REASON_KEPT_CHARS} characters cut)"
+
+
+def _envelope(topic: str, partition: int, offset: int, reason: str, pod_id: str) -> list[tuple[str, bytes]]:
+    return [
+        ("dlq_reason", bounded_reason(reason).encode()),
+        ("dlq_source_topic", topic.encode()),
+        ("dlq_source_partition", str(partition).encode()),
+        ("dlq_source_offset", str(offset).encode()),
+        ("dlq_pod", pod_id.encode()),
+    ]
 
 
 def dead_letter_record(rec: ConsumerRecord[bytes, bytes], reason: str, pod_id: str) -> EncodedRecord:
-    headers = [
-        *list(rec.headers or ()),
-        ("dlq_reason", reason.encode()),
-        ("dlq_source_topic", rec.topic.encode()),
-        ("dlq_source_partition", str(rec.partition).encode()),
-        ("dlq_source_offset", str(rec.offset).encode()),
-        ("dlq_pod", pod_id.encode()),
-    ]
-    value = rec.value or b""
-    if len(value) > MAX_PAYLOAD_BYTES:
-        # Over the limit it cannot be produced again (the producer and the broker refuse it, so
-        # the batch would rewind forever): the dead letter points at the original instead.
-        headers.append(("dlq_value_omitted", str(len(value)).encode()))
-        value = b""
-    return EncodedRecord(key=rec.key or b"", value=value, headers=headers)
+    own = _envelope(rec.topic, rec.partition, rec.offset, reason, pod_id)
+    copied: list[tuple[str, bytes]] = []
+    room = HEADERS_KEPT_BYTES
+    for name, value in rec.headers or ():
+        size = len(name) + len(value or b"")
+        if size > room:
+            own.append(("dlq_headers_omitted", str(len(rec.headers) - len(copied)).encode()))
+            break
+        room -= size
+        copied.append((name, value or b""))
+    key = _cut("key", rec.key or b"", KEY_KEPT_BYTES, own)
+    # Room for the value: the limit less the rest, and less the value's own cut headers.
+    room = RECORD_LIMIT_BYTES - record_size(EncodedRecord(key, b"", [*copied, *own])) - _CUT_HEADERS_BYTES
+    value = _cut("value", rec.value or b"", room, own)
+    return EncodedRecord(key=key, value=value, headers=[*copied, *own])
+
+
+def unparsable_dead_letter(
+    topic: str, partition: int, offset: int, reason: str, pod_id: str
+) -> EncodedRecord:
+    """For a record the Kafka client cannot parse: where it is and why; its bytes are out of reach."""
+    headers = _envelope(topic, partition, offset, reason, pod_id)
+    headers.append(("dlq_unparsable", b"true"))
+    return EncodedRecord(key=b"", value=b"", headers=headers)

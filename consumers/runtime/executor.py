@@ -24,9 +24,18 @@ def error_message(exc: BaseException) -> str:
     return text if text else type(exc).__name__
 
 
+#: A driver error's text kept in results, states and outcomes at most (characters): an error
+#: carrying a whole API response would otherwise make every record folded from it too large.
+MAX_ERROR_CHARS = 16 * 1024
+
+
 def upstream_message(exc: BaseException) -> str:
-    """What upstream puts after the pre-stamp prefix: the error's message, even an empty one."""
-    return str(exc)
+    """What upstream puts after the pre-stamp prefix: the error's message, even an empty one
+    (cut to :data:`MAX_ERROR_CHARS`)."""
+    text = str(exc)
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    return f"{text[:MAX_ERROR_CHARS]}… ({len(text) - MAX_ERROR_CHARS} characters cut)"
 
 
 class CommandRunner:

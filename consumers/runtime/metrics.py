@@ -39,6 +39,21 @@ class PodMetrics:
             "sandbox_lanes_dead_letters", "Records sent to the dead-letter topic", registry=r
         )
         self.duplicates = Counter("sandbox_lanes_duplicates", "Redelivered inputs ignored", registry=r)
+        self.unparsable = Counter(
+            "sandbox_lanes_unparsable_fetches",
+            "Fetches that met a record the Kafka client cannot parse (the record is dead-lettered)",
+            registry=r,
+        )
+        self.results_dropped = Counter(
+            "sandbox_lanes_results_dropped",
+            "Driver results whose fold-back failed the same way every attempt, given up",
+            registry=r,
+        )
+        self.states_removed = Counter(
+            "sandbox_lanes_states_removed",
+            "Finished executions' states tombstoned after the retention period",
+            registry=r,
+        )
         self.assigned_partitions = Gauge(
             "sandbox_lanes_assigned_partitions",
             "Input partitions assigned to this pod (0 on an idle member)",

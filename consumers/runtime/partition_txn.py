@@ -12,14 +12,16 @@ import heapq
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from consumers.lanes.commands import Command, Outcome, StateView
 from consumers.lanes.outbox import new_effects
 from consumers.runtime.create_order import CreateOrderGate
-from consumers.runtime.dead_letters import dead_letter_record
+from consumers.runtime.dead_letters import dead_letter_record, unparsable_dead_letter
 from consumers.runtime.effects import Completion
+from consumers.runtime.failures import oversize_reason
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod_config import PodConfig, PodStats
 from consumers.runtime.processor import LaneProcessor
@@ -31,6 +33,20 @@ from events.sandbox_lanes.v1 import inputs_pb2, state_pb2
 logger = logging.getLogger("sandbox_lanes.pod")
 
 Records = list[ConsumerRecord[bytes, bytes]]
+#: A record's place: (topic, partition, offset).
+RecordRef = tuple[str, int, int]
+
+
+def record_ref(rec: ConsumerRecord[bytes, bytes]) -> RecordRef:
+    return (rec.topic, rec.partition, rec.offset)
+
+
+class Doom(NamedTuple):
+    """Why a record is dead-lettered without being decided."""
+
+    reason: str
+    #: The Kafka client could not parse it: the record in the batch is a placeholder.
+    unparsable: bool = False
 
 
 class PartitionTransaction:
@@ -50,6 +66,8 @@ class PartitionTransaction:
         consumer: AIOKafkaConsumer,
         stopping: asyncio.Event,
         touch: Callable[[], None],
+        doomed: Mapping[RecordRef, Doom] | None = None,
+        limit: int | None = None,
     ) -> None:
         self.partition = partition
         self.sink = sink
@@ -63,7 +81,16 @@ class PartitionTransaction:
         self.stopping = stopping
         #: Marks the pod's loop alive (a long batch is progress too).
         self.touch = touch
-        self.overlay: dict[str, state_pb2.ExecutionState] = {}
+        #: Records to dead-letter without deciding them, with the reason: ones the Kafka client
+        #: could not parse (placeholders), and ones whose transactions kept failing the same way.
+        self.doomed: Mapping[RecordRef, Doom] = doomed or {}
+        #: Records decided at most (None = all fetched): a partition whose transactions fail the
+        #: same way is retried one record at a time, so the failure names its record.
+        self.limit = limit
+        #: The records this transaction decided or dead-lettered, in order.
+        self.attempted: list[ConsumerRecord[bytes, bytes]] = []
+        #: Staged writes; None = a tombstone (the key's state removed).
+        self.overlay: dict[str, state_pb2.ExecutionState | None] = {}
         #: Next offset per input partition, committed with the transaction.
         self.offsets: dict[TopicPartition, int] = {}
         self.counted: Counter[str] = Counter()
@@ -106,10 +133,11 @@ class PartitionTransaction:
             key=lambda item: (item[0], item[1]),
         )
         for _, _, tp, rec in merged:
-            if self.stopping.is_set():
+            if self.stopping.is_set() or (self.limit is not None and len(self.attempted) >= self.limit):
                 break
             if tp in self.held:
                 continue
+            self.attempted.append(rec)
             if await self._record(rec):
                 self.held[tp] = rec.offset  # deferred: this partition resumes here next turn
                 continue
@@ -117,14 +145,28 @@ class PartitionTransaction:
             if tp.topic == created_topic:
                 self.gate.applied(self.partition, rec.offset, rec.timestamp)
         for tp, records in batch.items():
-            if tp not in self.offsets and tp not in self.held:
-                self.held[tp] = records[0].offset  # not reached (stopping): handed back
+            if tp in self.held:
+                continue
+            if tp not in self.offsets:
+                self.held[tp] = records[0].offset  # not reached (stopping, limit): handed back
+            elif self.offsets[tp] <= records[-1].offset:
+                self.held[tp] = self.offsets[tp]  # reached part-way (limit): resumes after the last
 
     async def _record(self, rec: ConsumerRecord[bytes, bytes]) -> bool:
         """Decide one record; True = deferred (not applied, the partition resumes at it later)."""
         self.touch()
+        doomed = self.doomed.get(record_ref(rec))
+        if doomed is not None:
+            await self._dead_letter(rec, doomed.reason, unparsable=doomed.unparsable)
+            return False
         try:
-            event = decode_input(rec.key, rec.value, rec.headers)
+            event = decode_input(
+                rec.key,
+                rec.value,
+                rec.headers,
+                record_time_ms=rec.timestamp,
+                max_ahead_s=self.config.max_clock_ahead_s,
+            )
         except DecodeError as exc:
             await self._dead_letter(rec, exc.reason)
             return False
@@ -161,24 +203,40 @@ class PartitionTransaction:
             return False
         if decision.state is None:
             return False
-        await self.sink.send(self.config.topics.state, encode(decision.state), partition=rec.partition)
+        record = encode(decision.state)
+        too_large = oversize_reason("its state", record)
+        if too_large is not None:
+            await self._dead_letter(rec, too_large)
+            return False
+        await self.sink.send(self.config.topics.state, record, partition=rec.partition)
         self.overlay[key] = decision.state
         for effect_id, command in new_effects(decision):
             self.decided.append((key, effect_id, command))
         return False
 
+    async def expire(self, keys: list[str]) -> None:
+        """Tombstone the states of ``keys`` (past retention): compaction then drops them."""
+        for key in keys:
+            await self.sink.delete(self.config.topics.state, key.encode(), partition=self.partition)
+            self.overlay[key] = None
+
     def _stored(self, key: str) -> state_pb2.ExecutionState | None:
         """A key's state as this transaction sees it (its own writes first)."""
-        state = self.overlay.get(key)
-        return state if state is not None else self.store.get(self.partition, key)
+        if key in self.overlay:
+            return self.overlay[key]
+        return self.store.get(self.partition, key)
 
-    async def _dead_letter(self, rec: ConsumerRecord[bytes, bytes], reason: str) -> None:
+    async def _dead_letter(
+        self, rec: ConsumerRecord[bytes, bytes], reason: str, *, unparsable: bool = False
+    ) -> None:
         self.stats.dead_lettered += 1
         self.metrics.dead_letters.inc()
         logger.warning(
             "record dead-lettered",
             extra={"topic": rec.topic, "partition": rec.partition, "offset": rec.offset, "reason": reason},
         )
-        await self.sink.send(
-            self.config.topics.dead_letter, dead_letter_record(rec, reason, self.config.pod_id)
-        )
+        if unparsable:
+            record = unparsable_dead_letter(rec.topic, rec.partition, rec.offset, reason, self.config.pod_id)
+        else:
+            record = dead_letter_record(rec, reason, self.config.pod_id)
+        await self.sink.send(self.config.topics.dead_letter, record)

@@ -50,6 +50,9 @@ logger = logging.getLogger("sandbox_lanes.pod")
 #: Part of the shutdown bound kept for closing the consumer and producer.
 _CLOSE_RESERVE_S = 5.0
 _Records = list[ConsumerRecord[bytes, bytes]]
+#: How long a fetch of one partition waits while the pod looks for a record it cannot parse: a
+#: partition just sought back needs a round trip to the broker before it has records again.
+_PROBE_MS = 500
 #: Seconds between looks for states past their retention.
 _EXPIRY_CHECK_S = 1.0
 #: What a suspect partition's transaction is retried for: its results alone, or one record.
@@ -403,7 +406,7 @@ class Pod:
             fetched, doomed = await fetch_around_unparsable(
                 self._consumer,
                 candidates,
-                poll_ms=min(self.config.poll_timeout_ms, timeout_ms or self.config.poll_timeout_ms),
+                poll_ms=max(self.config.poll_timeout_ms, _PROBE_MS),
                 max_records=self.config.max_batch,
                 error=exc,
             )

@@ -80,6 +80,13 @@ class BatchSink:
         )
         self._futures.append(future)
 
+    async def delete(self, topic: str, key: bytes, partition: int) -> None:
+        """A tombstone for ``key`` (a null value): compaction removes the key."""
+        if self._sequential:
+            await self.producer.send_and_wait(topic, None, key=key, partition=partition)
+            return
+        self._futures.append(await self.producer.send(topic, None, key=key, partition=partition))
+
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
         """Make the writes durable together with the input offsets (next offset to read)."""
         if self._futures:

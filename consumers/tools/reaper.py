@@ -38,7 +38,7 @@ import datetime as dt
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -60,6 +60,7 @@ from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2, state_pb2
 
 if TYPE_CHECKING:
     from consumers.ops.compose import Composed
+    from consumers.runtime.pod import Pod
 
 logger = logging.getLogger("sandbox_lanes.reaper")
 
@@ -115,8 +116,16 @@ def plan_reap(
     states: Mapping[str, state_pb2.ExecutionState],
     now: float,
     grace: float,
+    *,
+    states_expire: bool = False,
 ) -> list[ReapPlan]:
-    """Decide, per listed sandbox, whether to reap it. Pure: no I/O, time comes in as ``now``."""
+    """Decide, per listed sandbox, whether to reap it. Pure: no I/O, time comes in as ``now``.
+
+    ``states_expire``: finished executions' states are removed after a retention, so a session
+    sandbox that no state references may belong to a live session whose executions all finished
+    long ago; it is kept (its session's delete removes it). Without retention no reference means
+    an orphan.
+    """
     # Session id → the states that reference it (agent executions, and the session-keyed teardown state).
     by_session: dict[str, list[state_pb2.ExecutionState]] = {}
     for state in states.values():
@@ -141,6 +150,7 @@ def plan_reap(
                     by_session.get(sandbox.sandbox_id, []),
                     age,
                     grace,
+                    states_expire,
                 )
             )
         else:
@@ -185,6 +195,7 @@ def _plan_session(
     referencing: list[state_pb2.ExecutionState],
     age: float | None,
     grace: float,
+    states_expire: bool,
 ) -> ReapPlan:
     sid = sandbox.sandbox_id
     deleted = (
@@ -209,6 +220,9 @@ def _plan_session(
         return ReapPlan(sandbox, "keep", "session re-provisioned after its deletion", age_seconds=age)
     if referencing:
         return ReapPlan(sandbox, "keep", "session referenced by execution state", age_seconds=age)
+    if states_expire:
+        why = "no execution state (finished executions' states expire; the session's delete removes it)"
+        return ReapPlan(sandbox, "keep", why, age_seconds=age)
     if _past_grace(age, grace):
         return ReapPlan(sandbox, "reap", "no execution state past grace", age_seconds=age)
     why = "age unknown" if age is None else f"within grace ({age:.0f}s <= {grace:g}s)"
@@ -309,14 +323,28 @@ class Reaper:
     metrics: PodMetrics | None = None
     teardown_timeout_s: float = 60.0
     security: KafkaSecurity = PLAINTEXT
+    #: Inside a pod: its own restored states and which sandbox ids its partitions own. Each
+    #: replica then judges only its own sandboxes, from memory, instead of every replica reading
+    #: the whole state topic each pass. None (the CLI): the whole topic, every sandbox.
+    local: Callable[[], tuple[dict[str, state_pb2.ExecutionState], Callable[[str], bool]]] | None = None
+    #: Finished executions' states are removed after a retention (see :func:`plan_reap`).
+    states_expire: bool = False
 
     async def plan(self, now: float | None = None) -> tuple[list[ReapPlan], int]:
         # List first, then read state: the state view is never older than the listing.
         managed = await self.provisioner.list_managed()
-        states = await read_all_states(
-            self.bootstrap, self.topics.state, isolation_level=self.isolation_level, security=self.security
-        )
-        return plan_reap(managed, states, time.time() if now is None else now, self.grace_s), len(states)
+        if self.local is not None:
+            states, owns = self.local()
+            managed = [m for m in managed if owns(m.sandbox_id)]
+        else:
+            states = await read_all_states(
+                self.bootstrap,
+                self.topics.state,
+                isolation_level=self.isolation_level,
+                security=self.security,
+            )
+        at = time.time() if now is None else now
+        return plan_reap(managed, states, at, self.grace_s, states_expire=self.states_expire), len(states)
 
     async def run_once(
         self, *, apply: bool, now: float | None = None, stop: asyncio.Event | None = None
@@ -434,7 +462,23 @@ def reaper_for(settings: Settings, composed: Composed) -> Reaper | None:
         metrics=composed.metrics,
         teardown_timeout_s=settings.teardown_timeout_s,
         security=settings.kafka_security,
+        local=_pod_states(composed.pod),
+        states_expire=settings.state_retention_s > 0,
     )
+
+
+def _pod_states(
+    pod: Pod,
+) -> Callable[[], tuple[dict[str, state_pb2.ExecutionState], Callable[[str], bool]]]:
+    """The pod's restored states, and whether a sandbox id's records are on a partition it owns
+    (a workflow sandbox is keyed by its execution id, a session sandbox by its session id: the
+    keys its inputs are partitioned by)."""
+
+    def local() -> tuple[dict[str, state_pb2.ExecutionState], Callable[[str], bool]]:
+        owned = pod.store.owned()
+        return dict(pod.store.items()), lambda key: pod.input_partition_of(key) in owned
+
+    return local
 
 
 async def periodic(reaper: Reaper, interval_s: float, stop: asyncio.Event, ready: asyncio.Event) -> None:
@@ -531,6 +575,7 @@ def run(args: argparse.Namespace) -> int:
         isolation_level=_isolation(settings),
         teardown_timeout_s=settings.teardown_timeout_s,
         security=settings.kafka_security,
+        states_expire=settings.state_retention_s > 0,
     )
 
     async def main() -> ReapReport:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 from aiokafka import ConsumerRecord, TopicPartition
 
 from consumers.lanes.commands import Command, CommandResult, Ensure, LaneConfig, StateView
+from consumers.lanes.retention import finished
 from consumers.ops.progress import progress
 from consumers.runtime.executor import CommandRunner
 from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
@@ -125,6 +126,14 @@ class RecordedRunner(CommandRunner):
 
 # --- the replay ----------------------------------------------------------------------------------
 
+#: The reasons the runtime (not the rules) gives a dead letter.
+_RUNTIME_REASONS = ("the Kafka client cannot parse the record", "its transaction failed ")
+
+
+def runtime_dead_letter(reason: str) -> str:
+    """``reason`` when the runtime dead-lettered the record for what it is, else ""."""
+    return reason if reason.startswith(_RUNTIME_REASONS) else ""
+
 
 async def replay(
     bootstrap: str,
@@ -135,7 +144,10 @@ async def replay(
     window: Window | None = None,
     show_progress: bool | None = None,
     security: KafkaSecurity = PLAINTEXT,
+    max_clock_ahead_s: float | None = None,
 ) -> ReplayReport:
+    """Re-run the rules over the recorded inputs and compare (``max_clock_ahead_s``: the pod's
+    ``SANDBOX_LANES_MAX_CLOCK_AHEAD_S``, so inputs from the future are refused as it refused them)."""
     window = window or Window()
     isolation = "read_committed" if guarantee == "exactly_once" else "read_uncommitted"
     snapshot_ms = int(time.time() * 1000)
@@ -182,10 +194,14 @@ async def replay(
                 where = ("", -1, rec.offset)
             recorded_dlq[where] = (header(rec.headers, "dlq_reason") or "", rec)
     recorded_states: dict[str, state_pb2.ExecutionState | None] = {}
+    #: When each key's state was tombstoned (record timestamps, in topic order).
+    tombstoned: dict[str, list[int]] = {}
     for recs in state_recs.values():
         for rec in recs:
             key = rec.key.decode("utf-8", errors="replace") if rec.key else ""
             recorded_states[key] = decode_state(rec.value) if rec.value is not None else None
+            if rec.value is None:
+                tombstoned.setdefault(key, []).append(rec.timestamp)
 
     runner = RecordedRunner(recorded)
     quiet = logging.getLogger("sandbox_lanes.replay.rules")
@@ -208,8 +224,21 @@ async def replay(
             compare = window.contains(rec)
             report.in_window += int(compare)
             where = (rec.topic, rec.partition, rec.offset)
+            runtime_reason = runtime_dead_letter(recorded_dlq.get(where, ("", None))[0])
+            if runtime_reason:
+                # Dead-lettered by the runtime, not the rules (the client could not parse it, or
+                # its transaction failed the same way every attempt): nothing to derive.
+                if compare:
+                    derived_dlq[where] = runtime_reason
+                continue
             try:
-                event = decode_input(rec.key, rec.value, rec.headers)
+                event = decode_input(
+                    rec.key,
+                    rec.value,
+                    rec.headers,
+                    record_time_ms=rec.timestamp,
+                    max_ahead_s=max_clock_ahead_s,
+                )
             except DecodeError as exc:
                 if compare:
                     derived_dlq[where] = exc.reason
@@ -218,6 +247,11 @@ async def replay(
             if compare:
                 window_inputs.add(event.meta.event_id)
             key = state_key(event)
+            removed = tombstoned.get(key)
+            while removed and removed[0] <= rec.timestamp:
+                removed.pop(0)
+                if key in states and finished(states[key]):
+                    del states[key]  # its retention passed before this input: a new execution
             runner.bind(event)
             try:
                 processed = await processor.process(event, StateView(states.get(key), states.get))
