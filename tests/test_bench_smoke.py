@@ -157,3 +157,37 @@ def test_bench_tiny_burst_measures_time_to_sandbox_for_every_driver(
     _positive(warm, "assigned_p50_ms", "sequential_assigned_p50_ms", "sequential_assigned_p99_ms")
     assert sum(warm["launches"].values()) == 6 and warm["adoption_misses"] == 0, warm  # burst + one by one
     assert "agent-sandbox warm, 3 creates one at a time on a full pool" in proc.stdout
+
+
+@pytest.mark.timeout(300)  # two pods (a process each), two waves each, a restore after every wave
+def test_bench_tiny_retention_keeps_state_flat_next_to_kept(kafka_bootstrap: str, tmp_path: Path) -> None:
+    out = tmp_path / "retention.json"
+    cmd = [
+        sys.executable, "-m", "consumers.tools.cli", "bench", "--only", "retention",
+        "--bootstrap", kafka_bootstrap, "--out", str(out), "--no-progress", "--repeats", "1",
+        "--partitions", "2", "--retention-waves", "2", "--retention-wave-size", "200",
+        "--retention-seconds", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=270, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fig = json.loads(out.read_text())["figures"]["retention"]
+    assert "error" not in fig, fig
+    ret, kept = fig["runs"]["retention"], fig["runs"]["kept"]
+    assert ret["retention_s"] == 1 and kept["retention_s"] == 0
+    for run in (ret, kept):
+        assert [w["wave"] for w in run["waves"]] == [1, 2]
+        for wave in run["waves"]:
+            _positive(wave, "stream_seconds", "rss_mib", "restore_seconds", "restore_records")
+            assert wave["live_sandboxes"] == 0  # every sandbox torn down
+    # with retention every finished state is tombstoned, in the pod and in what a restore keeps;
+    # kept, both grow with every wave
+    assert [w["keys_held"] for w in ret["waves"]] == [0, 0]
+    assert [w["restore_keys"] for w in ret["waves"]] == [0, 0]
+    assert [w["keys_held"] for w in kept["waves"]] == [200, 400]
+    assert [w["restore_keys"] for w in kept["waves"]] == [200, 400]
+    assert kept["ratios_to_first_wave"]["keys_held"] == [1.0, 2.0]
+    assert "9. bounded state: 2 waves of 200 workflow executions" in proc.stdout
+    assert "| keys held after the wait, kept | 200 (1.00x) | 400 (2.00x) |" in proc.stdout

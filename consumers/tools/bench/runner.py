@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from consumers.tools.bench.common import FIGURES, STATE_COMPRESSION, machine, versions
+from consumers.tools.bench.common import FIGURES, OPT_IN, STATE_COMPRESSION, machine, versions
 from consumers.tools.bench.drivers import measure_drivers
 from consumers.tools.bench.latency import measure_latency
 from consumers.tools.bench.restore import measure_restore
@@ -46,6 +46,10 @@ def _sizes(text: str) -> list[int]:
     if not out or min(out) <= 0:
         raise argparse.ArgumentTypeError(f"sizes must be positive: {text!r}")
     return out
+
+
+def _sizes_one(text: str) -> int:
+    return _sizes(text)[0]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,12 +94,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runner-image", default="", help="runner image for --kubeconfig (must run the runner contract)"
     )
+    parser.add_argument(
+        "--retention-waves", type=int, default=3, help="waves of executions per retention run"
+    )
+    parser.add_argument(
+        "--retention-wave-size", type=_sizes_one, default=5_000, help="executions per retention wave"
+    )
+    parser.add_argument(
+        "--retention-seconds", type=int, default=2, help="SANDBOX_LANES_STATE_RETENTION_S of the short run"
+    )
     parser.add_argument("--docker-host", help="use this engine (unix://...) instead of a private dockerd")
     parser.add_argument("--docker-image", default="", help="image on --docker-host (default: busybox tag)")
     parser.add_argument(
         "--only",
-        default=",".join(f for f in FIGURES if f != "burst"),
-        help=f"comma-separated subset of {','.join(FIGURES)} (default: all but burst)",
+        default=",".join(f for f in FIGURES if f not in OPT_IN),
+        help=f"comma-separated subset of {','.join(FIGURES)} (default: all but {' and '.join(OPT_IN)})",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -147,6 +160,10 @@ async def _main(args: argparse.Namespace, bootstrap: str | None, only: set[str])
             from consumers.tools.bench.burst import measure_burst
 
             await timed("burst", lambda: measure_burst(args, bootstrap, show))
+        if "retention" in only:
+            from consumers.tools.bench.retention import measure_retention
+
+            await timed("retention", lambda: measure_retention(args, bootstrap, show))
     if "drivers" in only:
         await timed("drivers", lambda: measure_drivers(args, show))
     return {"figures": figures, "seconds": timings}
@@ -163,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"sandbox-lanes bench: unknown figure(s) {sorted(unknown)}; known: {FIGURES}", file=sys.stderr)
         return 2
-    needs_kafka = bool(only & {"ceiling", "pod", "latency", "peers", "restore", "burst"})
+    needs_kafka = bool(only & {"ceiling", "pod", "latency", "peers", "restore", "burst", "retention"})
     # SIGTERM takes Ctrl-C's path: the running figure is cancelled and everything it started (its
     # broker, node, controller, pods, topics) is stopped on the way out instead of left running.
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -237,4 +254,9 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         out.append(f"--{name.replace('_', '-')} {value}")
     if args.only != ",".join(FIGURES):
         out.append(f"--only {args.only}")
+    if "retention" in args.only:
+        out.append(
+            f"--retention-waves {args.retention_waves} --retention-wave-size {args.retention_wave_size} "
+            f"--retention-seconds {args.retention_seconds}"
+        )
     return out

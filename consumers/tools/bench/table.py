@@ -119,6 +119,14 @@ def render_table(doc: dict[str, Any]) -> str:
             from consumers.tools.bench.burst import report_rows
 
             rows.extend(report_rows(burst))
+    retention = figs.get("retention")
+    if retention is not None:
+        if "error" in retention:
+            err("9. retention", retention)
+        else:
+            from consumers.tools.bench.retention import report_rows as retention_rows
+
+            rows.extend(retention_rows(retention))
     m = doc["meta"]["machine"]
     lines = [
         f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux {m['kernel']}, "
@@ -129,6 +137,10 @@ def render_table(doc: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     lines.extend(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows)
+    if retention is not None and "error" not in retention:
+        from consumers.tools.bench.retention import wave_table
+
+        lines += ["", *wave_table(retention)]
     return "\n".join(lines)
 
 
