@@ -30,6 +30,8 @@ from consumers.ops.compose import Composed
 from consumers.ops.settings import load_settings
 from consumers.runtime.dead_letters import KEY_KEPT_BYTES
 from consumers.runtime.topic_reader import read_to_end
+from consumers.tools.replay.command import lane_config
+from consumers.tools.replay.derive import replay
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 from tests.pod_harness import ROOT, Received, read_topic, running_pod, unique_env, wf_created, wf_terminal
@@ -230,6 +232,7 @@ async def test_no_bad_record_stops_its_partition(
     states = await read_topic(kafka_bootstrap, topics.state, settle_s=0.2)
     assert not any(r.key in ("wf-9999", "axr-big-org", refused.execution_id) for r in states)
     assert not [r for r in states if r.key == long_id]
+    await _audit(kafka_bootstrap, env)
 
 
 def _produce_with_raw_header_key(
@@ -297,6 +300,21 @@ async def test_a_record_the_client_cannot_parse_is_dead_lettered_by_offset(
     # The committed offset moved past it: a restarted pod would not meet it again.
     consumer_offsets = await _committed(kafka_bootstrap, env, TopicPartition(topics.execution_created, 0))
     assert consumer_offsets == 3
+    await _audit(kafka_bootstrap, env)
+
+
+async def _audit(bootstrap: str, env: dict[str, str]) -> None:
+    """The audit replay re-derives every decision and dead letter, the runtime's own included."""
+    settings = load_settings(env)
+    report = await replay(
+        bootstrap,
+        settings.topics,
+        lane_config(settings),
+        guarantee=settings.guarantee,
+        max_clock_ahead_s=settings.max_clock_ahead_s,
+    )
+    assert report.divergences == [], [d.as_dict() for d in report.divergences]
+    assert report.matched_dead_letters == report.recorded_dead_letters > 0
 
 
 async def _committed(bootstrap: str, env: dict[str, str], tp: TopicPartition) -> int:

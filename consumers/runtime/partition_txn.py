@@ -12,7 +12,6 @@ import heapq
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
@@ -27,26 +26,13 @@ from consumers.runtime.pod_config import PodConfig, PodStats
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.sink import BatchSink
 from consumers.runtime.state_store import StateStore
+from consumers.runtime.unparsable import Doom, RecordRef, record_ref
 from events.codec import TYPE_PREFIX, DecodeError, decode_input, encode, state_key, type_name
 from events.sandbox_lanes.v1 import inputs_pb2, state_pb2
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
 Records = list[ConsumerRecord[bytes, bytes]]
-#: A record's place: (topic, partition, offset).
-RecordRef = tuple[str, int, int]
-
-
-def record_ref(rec: ConsumerRecord[bytes, bytes]) -> RecordRef:
-    return (rec.topic, rec.partition, rec.offset)
-
-
-class Doom(NamedTuple):
-    """Why a record is dead-lettered without being decided."""
-
-    reason: str
-    #: The Kafka client could not parse it: the record in the batch is a placeholder.
-    unparsable: bool = False
 
 
 class PartitionTransaction:

@@ -34,7 +34,7 @@ from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
 from consumers.runtime.failures import is_deterministic
 from consumers.runtime.metrics import PodMetrics
-from consumers.runtime.partition_txn import Doom, PartitionTransaction, RecordRef, record_ref
+from consumers.runtime.partition_txn import PartitionTransaction
 from consumers.runtime.pod_config import Health, PodConfig, PodStats, assess_health
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.recovery import restore_and_resume
@@ -43,7 +43,7 @@ from consumers.runtime.sink import BatchSink, PartitionSinks
 from consumers.runtime.stall_guard import StallGuard
 from consumers.runtime.state_store import StateStore
 from consumers.runtime.topology import prepare_pod_topics
-from consumers.runtime.unparsable import fetch_around_unparsable
+from consumers.runtime.unparsable import Doom, RecordRef, fetch_around_unparsable, record_ref
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
@@ -406,12 +406,21 @@ class Pod:
             fetched, doomed = await fetch_around_unparsable(
                 self._consumer,
                 candidates,
+                self._rewind,
                 poll_ms=max(self.config.poll_timeout_ms, _PROBE_MS),
                 max_records=self.config.max_batch,
-                error=exc,
             )
             self._doomed.update(doomed)
             return fetched
+
+    async def _rewind(self, tp: TopicPartition) -> None:
+        """Back to where the pod stands on ``tp``: its committed offset (every turn leaves it there)."""
+        assert self._consumer is not None
+        committed = await self._consumer.committed(tp)
+        if committed is None or committed < 0:
+            await self._consumer.seek_to_beginning(tp)
+        else:
+            self._consumer.seek(tp, committed)
 
     async def _drain(self) -> None:
         """Stopping: no new records; driver calls in flight finish (within the bound) and are folded back."""

@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError as ProtobufDecodeError
 from consumers.lanes.retention import removable_from
 from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.topic_reader import read_to_end
+from consumers.runtime.unparsable import is_placeholder
 from events.codec import decode_state
 from events.sandbox_lanes.v1 import state_pb2
 
@@ -142,6 +143,12 @@ class StateStore:
         ):
             for rec in recs:
                 records += 1
+                if is_placeholder(rec):
+                    logger.error(
+                        "state record the Kafka client cannot parse, skipped",
+                        extra={"partition": tp.partition, "offset": rec.offset},
+                    )
+                    continue
                 key = rec.key.decode("utf-8", errors="replace") if rec.key else ""
                 if rec.value is None:
                     fresh[tp.partition].pop(key, None)

@@ -2,7 +2,8 @@
 
 "The end" is taken once, when reading starts (for ``read_committed`` that is the last
 stable offset), so a reader of a busy topic still finishes. Records are handed out
-batch by batch, so a caller that folds them (the state restore) never holds a whole topic.
+batch by batch, so a caller that folds them (the state restore) never holds a whole topic. A
+record the client cannot parse comes as a placeholder (:func:`unparsable.is_placeholder`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from collections.abc import AsyncIterator, Sequence
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
+from consumers.runtime.failures import is_deterministic
 from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
+from consumers.runtime.unparsable import fetch_around_unparsable
 
 
 async def read_to_end(
@@ -40,15 +43,31 @@ async def read_to_end(
         consumer.assign(list(partitions))
         await consumer.seek_to_beginning(*partitions)
         ends = await consumer.end_offsets(list(partitions))
+        #: Where each partition's next record is (a rewind after an unparsable record goes there).
+        nexts = await consumer.beginning_offsets(list(partitions))
         pending = {tp for tp in partitions if ends[tp] > 0}
         deadline = time.monotonic() + timeout_s
+
+        async def rewind(tp: TopicPartition) -> None:
+            consumer.seek(tp, nexts[tp])
+
         while pending:
             if time.monotonic() > deadline:
                 topics = sorted({tp.topic for tp in pending})
                 raise TimeoutError(f"reading {topics} did not reach the end in {timeout_s:g}s")
-            batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
+            try:
+                batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
+            except Exception as exc:
+                if not is_deterministic(exc):
+                    raise
+                # A record the client cannot parse: its place comes as a placeholder.
+                batch, _ = await fetch_around_unparsable(
+                    consumer, sorted(pending), rewind, poll_ms=500, max_records=10_000
+                )
             for tp, recs in batch.items():
                 kept = [r for r in recs if r.offset < ends[tp]]
+                if recs:
+                    nexts[tp] = recs[-1].offset + 1
                 if kept:
                     yield tp, kept
             for tp in list(pending):

@@ -3,41 +3,56 @@
 aiokafka decodes a record's header keys as UTF-8 while it iterates a fetched batch (in its C and
 its Python readers alike), and raises inside ``getmany()`` before the caller sees any record of
 that fetch; a corrupt batch or a codec it lacks does the same. Retrying fetches the same bytes and
-raises the same way, so the pod would never get past the record, and neither would the next owner
-of its partition. Here the pod finds the record and hands back a placeholder for it, which its
-partition's transaction dead-letters (topic, partition, offset and the client's error) with the
-offset committed past it.
+raises the same way, so a reader would never get past the record (and the pod's next owner of the
+partition would not either). Here the reader finds the record and gets a placeholder for it in
+its place: the pod's partition transaction dead-letters it (topic, partition, offset and the
+client's error) with the offset committed past it; a reader of a whole topic (replay) sees it.
 
 The failed ``getmany()`` may have drained records of other partitions (and of this one, before the
-bad record) that it never returned, so every fetched partition is first put back where the pod
-stands: its committed offset, which is where each turn leaves every partition.
+bad record) that it never returned, so every fetched partition is first put back where its reader
+stands (the pod: its committed offset, where each turn leaves every partition).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from consumers.runtime.failures import is_deterministic
-from consumers.runtime.partition_txn import Doom, RecordRef, Records
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
+Records = list[ConsumerRecord[bytes, bytes]]
+#: A record's place: (topic, partition, offset).
+RecordRef = tuple[str, int, int]
+#: A placeholder's timestamp type: no record the broker hands out has it.
+_PLACEHOLDER_TIMESTAMP_TYPE = -1
 #: Records fetched one at a time ahead of a bad one at most, before they are handed on.
 _AHEAD_MAX = 2_000
 
 
+class Doom(NamedTuple):
+    """Why a record is dead-lettered without being decided."""
+
+    reason: str
+    #: The Kafka client could not parse it: the record in the batch is a placeholder.
+    unparsable: bool = False
+
+
+def record_ref(rec: ConsumerRecord[bytes, bytes]) -> RecordRef:
+    return (rec.topic, rec.partition, rec.offset)
+
+
+def is_placeholder(rec: ConsumerRecord[bytes, bytes]) -> bool:
+    """Stands for a record the client could not parse (no key, value or headers of its own)."""
+    return bool(rec.timestamp_type == _PLACEHOLDER_TIMESTAMP_TYPE)
+
+
 def unparsable_reason(exc: BaseException) -> str:
     return f"the Kafka client cannot parse the record ({type(exc).__name__}: {exc})"
-
-
-async def _rewind(consumer: AIOKafkaConsumer, tp: TopicPartition) -> None:
-    committed = await consumer.committed(tp)
-    if committed is None or committed < 0:
-        await consumer.seek_to_beginning(tp)
-    else:
-        consumer.seek(tp, committed)
 
 
 def _failed_offset(consumer: AIOKafkaConsumer, tp: TopicPartition, after: int) -> int:
@@ -52,14 +67,15 @@ def _failed_offset(consumer: AIOKafkaConsumer, tp: TopicPartition, after: int) -
 
 
 def _placeholder(tp: TopicPartition, offset: int, timestamp: int) -> ConsumerRecord[bytes, bytes]:
-    return ConsumerRecord(tp.topic, tp.partition, offset, timestamp, 0, None, None, None, -1, -1, ())
+    return ConsumerRecord(
+        tp.topic, tp.partition, offset, timestamp, _PLACEHOLDER_TIMESTAMP_TYPE, None, None, None, -1, -1, ()
+    )
 
 
 async def _locate(
-    consumer: AIOKafkaConsumer, tp: TopicPartition, poll_ms: int, error: BaseException
-) -> tuple[Records, RecordRef | None, BaseException]:
-    """Fetch ``tp`` one record at a time from where the pod stands, up to the record that fails."""
-    await _rewind(consumer, tp)
+    consumer: AIOKafkaConsumer, tp: TopicPartition, poll_ms: int
+) -> tuple[Records, int | None, BaseException | None]:
+    """Fetch ``tp`` one record at a time from where it stands, up to the record that fails."""
     ahead: Records = []
     while len(ahead) < _AHEAD_MAX:
         position = await consumer.position(tp)
@@ -68,30 +84,29 @@ async def _locate(
         except Exception as exc:
             if not is_deterministic(exc):
                 raise
-            offset = _failed_offset(consumer, tp, position)
-            return ahead, (tp.topic, tp.partition, offset), exc
+            return ahead, _failed_offset(consumer, tp, position), exc
         records = got.get(tp, [])
         if not records:
-            break  # the bad record is not fetched (yet): the loop meets it again
+            break  # the bad record is not fetched (yet): the reader meets it again
         ahead.extend(records)
-    return ahead, None, error
+    return ahead, None, None
 
 
 async def fetch_around_unparsable(
     consumer: AIOKafkaConsumer,
     candidates: list[TopicPartition],
+    rewind: Callable[[TopicPartition], Awaitable[None]],
     *,
     poll_ms: int,
     max_records: int,
-    error: BaseException,
 ) -> tuple[dict[TopicPartition, Records], dict[RecordRef, Doom]]:
     """The records of ``candidates`` as far as they parse, with a placeholder for each that does not.
 
-    Returns the fetch to process and the placeholders to dead-letter. A bad record's partition
-    is sought past it; the transaction that dead-letters the placeholder commits that offset.
+    ``rewind`` puts a partition back where its reader stands. Returns the fetch and the
+    placeholders' reasons; a bad record's partition is sought past it.
     """
     for tp in candidates:
-        await _rewind(consumer, tp)
+        await rewind(tp)
     fetched: dict[TopicPartition, Records] = {}
     doomed: dict[RecordRef, Doom] = {}
     for tp in candidates:
@@ -100,16 +115,17 @@ async def fetch_around_unparsable(
         except Exception as exc:
             if not is_deterministic(exc):
                 raise
-            ahead, bad, cause = await _locate(consumer, tp, poll_ms, exc)
-            if bad is not None:
+            await rewind(tp)
+            ahead, bad, cause = await _locate(consumer, tp, poll_ms)
+            if bad is not None and cause is not None:
                 reason = unparsable_reason(cause)
                 logger.error(
                     "record the Kafka client cannot parse: dead-lettering it",
-                    extra={"topic": tp.topic, "partition": tp.partition, "offset": bad[2], "reason": reason},
+                    extra={"topic": tp.topic, "partition": tp.partition, "offset": bad, "reason": reason},
                 )
-                doomed[bad] = Doom(reason, unparsable=True)
-                ahead.append(_placeholder(tp, bad[2], ahead[-1].timestamp if ahead else 0))
-                consumer.seek(tp, bad[2] + 1)
+                doomed[(tp.topic, tp.partition, bad)] = Doom(reason, unparsable=True)
+                ahead.append(_placeholder(tp, bad, ahead[-1].timestamp if ahead else 0))
+                consumer.seek(tp, bad + 1)
             if ahead:
                 fetched[tp] = ahead
             continue
