@@ -401,7 +401,7 @@ def duplicates_ignored(work: Path, workload: Workload, guarantee: str) -> tuple[
         problems += [f"input {e} ignored as a duplicate, never injected twice" for e in sorted(redelivered)]
     return problems, {
         "injected duplicates ignored": len(injected & ignored),
-        "inputs redelivered after a kill, ignored": len(redelivered),
+        "inputs redelivered after a kill and ignored": len(redelivered),
     }
 
 
