@@ -285,6 +285,13 @@ class DockerProvisioner(ScopedMethods):
             lock = self._locks[name] = asyncio.Lock()
         return lock
 
+    def _forget_lock(self, name: str) -> None:
+        """After a deprovision: one lock per live sandbox, not per name ever seen (a pod that
+        runs for months sees millions of names)."""
+        lock = self._locks.get(name)
+        if lock is not None and not lock.locked():
+            del self._locks[name]
+
     def _not_ours(
         self, attrs: Mapping[str, Any], name: str, scope: SandboxScope, sandbox_id: str
     ) -> SandboxError:
@@ -462,41 +469,44 @@ class DockerProvisioner(ScopedMethods):
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
         name = sandbox_base_name(scope, sandbox_id)
-        async with self._lock(name):
-            attrs = await self._inspect(name)
-            if attrs is None:
-                return
-            if _other_sandbox(attrs, scope, sandbox_id):
-                # Another sandbox's container under the shared name: nothing of this one's to remove.
-                labels = _labels(attrs)
-                self._logger.warning(
-                    LOG_LEFT_ALONE,
-                    extra={
-                        "scope": scope,
-                        "id": sandbox_id,
-                        "container": name,
-                        "ownerId": label_owner(labels),
-                        "leftAlone": f"container {name} of {labels.get(LABEL_SCOPE, scope)} "
-                        f"'{label_owner(labels)}'",
-                    },
+        try:
+            async with self._lock(name):
+                attrs = await self._inspect(name)
+                if attrs is None:
+                    return
+                if _other_sandbox(attrs, scope, sandbox_id):
+                    # Another sandbox's container under the shared name: nothing of this one's to remove.
+                    labels = _labels(attrs)
+                    self._logger.warning(
+                        LOG_LEFT_ALONE,
+                        extra={
+                            "scope": scope,
+                            "id": sandbox_id,
+                            "container": name,
+                            "ownerId": label_owner(labels),
+                            "leftAlone": f"container {name} of {labels.get(LABEL_SCOPE, scope)} "
+                            f"'{label_owner(labels)}'",
+                        },
+                    )
+                    return
+                if not _is_ours(attrs, scope, sandbox_id):
+                    raise self._foreign(name, scope, sandbox_id)
+                client = await self._docker()
+                container_id = str(attrs["Id"])
+                try:
+                    # By id, so a same-named replacement created meanwhile is never touched.
+                    await self._call(lambda: client.api.remove_container(container_id, force=True, v=True))
+                except docker.errors.NotFound:
+                    pass
+                except docker.errors.APIError as exc:
+                    if exc.status_code != 409 or "already in progress" not in str(exc):
+                        raise self._engine_error(exc) from exc
+                self._logger.info(
+                    "Docker sandbox deprovisioned",
+                    extra={"scope": scope, "id": sandbox_id, "container": name},
                 )
-                return
-            if not _is_ours(attrs, scope, sandbox_id):
-                raise self._foreign(name, scope, sandbox_id)
-            client = await self._docker()
-            container_id = str(attrs["Id"])
-            try:
-                # By id, so a same-named replacement created meanwhile is never touched.
-                await self._call(lambda: client.api.remove_container(container_id, force=True, v=True))
-            except docker.errors.NotFound:
-                pass
-            except docker.errors.APIError as exc:
-                if exc.status_code != 409 or "already in progress" not in str(exc):
-                    raise self._engine_error(exc) from exc
-            self._logger.info(
-                "Docker sandbox deprovisioned",
-                extra={"scope": scope, "id": sandbox_id, "container": name},
-            )
+        finally:
+            self._forget_lock(name)
 
     async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:
         name = sandbox_base_name(scope, sandbox_id)

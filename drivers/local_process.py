@@ -313,6 +313,13 @@ class LocalProcessProvisioner(ScopedMethods):
             lock = self._locks[name] = asyncio.Lock()
         return lock
 
+    def _forget_lock(self, name: str) -> None:
+        """After a deprovision: one lock per live sandbox, not per name ever seen (a pod that
+        runs for months sees millions of names)."""
+        lock = self._locks.get(name)
+        if lock is not None and not lock.locked():
+            del self._locks[name]
+
     # -- contract ------------------------------------------------------------
 
     async def ensure(
@@ -447,45 +454,48 @@ class LocalProcessProvisioner(ScopedMethods):
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
         name = sandbox_base_name(scope, sandbox_id)
-        async with self._lock(name):
-            record = self._read_record(name)
-            theirs = record is not None and not _owns(record, scope, sandbox_id)
-            if record is not None and theirs:
-                self._logger.warning(
-                    LOG_LEFT_ALONE,
-                    extra={
-                        "scope": scope,
-                        "id": sandbox_id,
-                        "ownerId": record.sandbox_id,
-                        "pid": record.pid,
-                        "leftAlone": f"runner process group {record.pgid} of {record.scope} "
-                        f"'{record.sandbox_id}' (record {self._record_path(name)})",
-                    },
+        try:
+            async with self._lock(name):
+                record = self._read_record(name)
+                theirs = record is not None and not _owns(record, scope, sandbox_id)
+                if record is not None and theirs:
+                    self._logger.warning(
+                        LOG_LEFT_ALONE,
+                        extra={
+                            "scope": scope,
+                            "id": sandbox_id,
+                            "ownerId": record.sandbox_id,
+                            "pid": record.pid,
+                            "leftAlone": f"runner process group {record.pgid} of {record.scope} "
+                            f"'{record.sandbox_id}' (record {self._record_path(name)})",
+                        },
+                    )
+                    record = None
+                if record is None:
+                    # Spawned by a pod that stopped before recording it: still this sandbox's runner
+                    # (found by its own workspace, which no other id shares).
+                    workspace = self.workspace_dir(scope, sandbox_id)
+                    found = await asyncio.to_thread(unrecorded_runner, workspace)
+                    if found is None:
+                        return
+                    if theirs:  # the name's record is another's: end ours without recording it
+                        record = self._new_record(scope, sandbox_id, name, workspace, found)
+                        await self._terminate(record)
+                        return
+                    record = self._adopt(scope, sandbox_id, name, workspace, found)
+                await self._terminate(record)
+                proc = self._children.pop(name, None)
+                if proc is not None:
+                    # Our own child: make sure it is reaped before we report success.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_WAIT_SECONDS)
+                self._remove_record(name)
+                self._logger.info(
+                    "Local-process sandbox deprovisioned",
+                    extra={"scope": scope, "id": sandbox_id, "pid": record.pid},
                 )
-                record = None
-            if record is None:
-                # Spawned by a pod that stopped before recording it: still this sandbox's runner
-                # (found by its own workspace, which no other id shares).
-                workspace = self.workspace_dir(scope, sandbox_id)
-                found = await asyncio.to_thread(unrecorded_runner, workspace)
-                if found is None:
-                    return
-                if theirs:  # the name's record is another's: end ours without recording it
-                    record = self._new_record(scope, sandbox_id, name, workspace, found)
-                    await self._terminate(record)
-                    return
-                record = self._adopt(scope, sandbox_id, name, workspace, found)
-            await self._terminate(record)
-            proc = self._children.pop(name, None)
-            if proc is not None:
-                # Our own child: make sure it is reaped before we report success.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_WAIT_SECONDS)
-            self._remove_record(name)
-            self._logger.info(
-                "Local-process sandbox deprovisioned",
-                extra={"scope": scope, "id": sandbox_id, "pid": record.pid},
-            )
+        finally:
+            self._forget_lock(name)
 
     @staticmethod
     def _group_is_ours_and_alive(record: ChildRecord) -> bool:
