@@ -111,7 +111,7 @@ class Pod:
         #: Take-overs in flight (at most one: a rebalance first releases, which cancels it).
         self._taking_over: set[asyncio.Task[None]] = set()
         #: When each outbox entry was decided (monotonic), for the time-to-sandbox histogram.
-        self._decided_at: dict[str, float] = {}
+        self._decided_at: dict[str, tuple[int, float]] = {}
         self._throttle = FetchThrottle(config.driver_concurrency, config.max_batch)
         self._create_gate = CreateOrderGate(config.topics.execution_created)
         #: Records to dead-letter undecided (unparsable, or failing the same way each time).
@@ -279,6 +279,7 @@ class Pod:
             self.store.drop(partitions)
             for p in partitions:
                 self._create_gate.forget(p)
+            self._forget(partitions)
             self._retry = [c for c in self._retry if c.partition not in partitions]
             self._fenced -= partitions
             if self._sinks is not None:
@@ -567,6 +568,13 @@ class Pod:
             return
         self._committed(txn, started)
 
+    def _forget(self, partitions: set[int]) -> None:
+        """What the pod tracked for partitions it no longer owns (their next owner starts afresh)."""
+        self._decided_at = {e: d for e, d in self._decided_at.items() if d[0] not in partitions}
+        self._doomed = {ref: d for ref, d in self._doomed.items() if ref[1] not in partitions}
+        for p in partitions:
+            self._suspects.pop(p, None)
+
     def _touch(self) -> None:
         self._last_loop = time.monotonic()
 
@@ -592,13 +600,14 @@ class Pod:
         now = time.monotonic()
         for key, effect_id, command in txn.decided:
             if self.effects.submit(txn.partition, key, effect_id, command):
-                self._decided_at[effect_id] = now
+                self._decided_at[effect_id] = (txn.partition, now)
         driver = self.processor.config.driver_name
         for completion, outcome in txn.folded:
             for output in outcome.outputs:
                 self.metrics.record_outcome(completion.command, output, driver)
-            decided_at = self._decided_at.pop(completion.effect_id, None)
-            if decided_at is not None:
+            decided = self._decided_at.pop(completion.effect_id, None)
+            if decided is not None:
+                decided_at = decided[1]
                 operation = "ensure" if isinstance(completion.command, Ensure) else "deprovision"
                 self.metrics.time_to_sandbox.labels(operation).observe(now - decided_at)
         self.stats.outputs.update(txn.counted)
@@ -724,6 +733,7 @@ class Pod:
         self.effects.disown({partition})
         self.store.drop({partition})
         self._create_gate.forget(partition)
+        self._forget({partition})
         if self._sinks is not None:
             await self._sinks.close({partition})
         self._subscribe()
