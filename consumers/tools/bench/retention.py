@@ -8,11 +8,14 @@ is provisioned) their COMPLETED phase changes, then a wait past the retention. A
 
 * keys held in the pod's store at the wave's end (every teardown committed) and after the wait;
 * the pod process's RSS (``VmRSS``, after ``gc.collect()``) and the bytes its store holds (keys and
-  serialized values);
+  serialized values). Not ``tracemalloc``: it slowed the pod 4-5x here;
 * the state topic restored by a fresh ``StateStore`` in another child process (``--repeats`` times,
-  read_committed, as a pod taking the partitions over): seconds, records read and keys kept. A
-  restore that meets a tombstone drops the key, so keys restored drop whether or not compaction ran;
-  records read drop only once it has.
+  read_committed, as a pod taking the partitions over): seconds, records read, keys kept and the
+  restoring process's peak RSS (``VmHWM``). A restore that meets a tombstone drops the key, so keys
+  restored drop whether or not compaction ran; records read drop only once it has.
+
+The wait after a wave with retention lasts until the pod holds no key: the pod tombstones at most
+``max_batch`` (500) due keys a second, so it also shows how long a wave takes to clear.
 
 One run with ``SANDBOX_LANES_STATE_RETENTION_S`` = ``--retention-seconds`` (2), one with 0 (kept for
 ever), same broker, same stream. With retention, keys, memory and restore stay flat (≈ what is in
@@ -68,6 +71,7 @@ RATIO_KEYS = (
     "restore_seconds",
     "restore_records",
     "restore_keys",
+    "restore_rss_peak_mib",
 )
 
 
@@ -383,15 +387,17 @@ def wave_table(fig: dict[str, Any]) -> list[str]:
     for key, label in (
         ("keys_at_wave_end", "keys at the wave's end"),
         ("keys_held", "keys held after the wait"),
+        ("wait_seconds", "wait after the wave, s"),
         ("rss_mib", "pod RSS, MiB"),
         ("store_mib", "store, MiB (keys + values)"),
         ("restore_seconds", "restore, seconds"),
         ("restore_records", "restore, records read"),
         ("restore_keys", "restore, keys kept"),
+        ("restore_rss_peak_mib", "restore, peak RSS, MiB"),
     ):
         for name, run in ((f"retention {r} s", ret), ("kept", kept)):
             values = [w[key] for w in run["waves"]]
-            ratios = run["ratios_to_first_wave"][key]
+            ratios = run["ratios_to_first_wave"].get(key) or _ratios(values)
             row = [f"{_num(v)} ({_ratio(q)})" for v, q in zip(values, ratios, strict=True)]
             lines.append(f"| {label}, {name} | " + " | ".join(row) + " |")
     return lines

@@ -98,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--retention-waves", type=int, default=3, help="waves of executions per retention run"
     )
     parser.add_argument(
-        "--retention-wave-size", type=_sizes_one, default=5_000, help="executions per retention wave"
+        "--retention-wave-size", type=_sizes_one, default=10_000, help="executions per retention wave"
     )
     parser.add_argument(
         "--retention-seconds", type=int, default=2, help="SANDBOX_LANES_STATE_RETENTION_S of the short run"
