@@ -467,12 +467,14 @@ class Pod:
         self._apply_backpressure()
 
     def _expiring(self) -> dict[int, list[str]]:
-        """States past their retention, per owned partition (looked for once a second at most)."""
+        """States past their retention, per owned partition: looked for once a second, or at the
+        next turn while a look finds a whole batch (a backlog drains at a batch per turn)."""
         now = time.time()
         if self.store.retention_s <= 0 or now < self._next_expiry_check:
             return {}
-        self._next_expiry_check = now + _EXPIRY_CHECK_S
         due = self.store.due(now, self.config.max_batch)
+        saturated = sum(len(keys) for keys in due.values()) >= self.config.max_batch
+        self._next_expiry_check = now if saturated else now + _EXPIRY_CHECK_S
         return {
             p: keys
             for p, keys in due.items()
