@@ -44,16 +44,14 @@ PAST_9999 = 253_402_300_800
 YEAR_9000 = 221_845_392_000
 
 
-async def _create_topics(bootstrap: str, env: dict[str, str], state_configs: dict[str, str]) -> None:
-    topics = load_settings(env).topics
+async def _create_state_topic(bootstrap: str, env: dict[str, str], configs: dict[str, str]) -> None:
+    """The state topic with ``configs`` (the inputs come from the harness, as the producing side's)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
+        state = load_settings(env).topics.state
         await admin.create_topics(
-            [
-                *(NewTopic(t, 1, 1) for t in topics.inputs),
-                NewTopic(topics.state, 1, 1, topic_configs={"cleanup.policy": "compact", **state_configs}),
-            ]
+            [NewTopic(state, 1, 1, topic_configs={"cleanup.policy": "compact", **configs})]
         )
     finally:
         await admin.close()
@@ -70,7 +68,7 @@ async def pod(kafka_bootstrap: str, tmp_path: Path) -> AsyncIterator[tuple[Compo
     )
     # The state topic refuses records over 20 kB: an input that passes the edge but whose state
     # is larger fails its transaction at the broker, the same way on every retry.
-    await _create_topics(kafka_bootstrap, env, {"max.message.bytes": "20000"})
+    await _create_state_topic(kafka_bootstrap, env, {"max.message.bytes": "20000"})
     async with running_pod(env) as composed:
         yield composed, env
 
@@ -338,7 +336,6 @@ async def test_a_finished_execution_is_tombstoned_after_retention(
         SANDBOX_LANES_PARTITIONS="1",
         SANDBOX_LANES_STATE_RETENTION_S="3",
     )
-    await _create_topics(kafka_bootstrap, env, {})
     topics = load_settings(env).topics
     done, running = f"wf-done-{uuid.uuid4().hex[:6]}", f"wf-running-{uuid.uuid4().hex[:6]}"
     async with running_pod(env) as composed:
