@@ -494,10 +494,15 @@ def test_unknown_names_refused_or_warned_and_legit_dynamic_names_passed() -> Non
             "STIGMER_SANDBOX_RUNNER_ENV": "STIGMER_EXTRA_FLAG",  # a listed runner name
             "STIGMER_EXTRA_FLAG": "1",
             "SANDBOX_LANES_FORBID_SKIPS": "1",  # the dev tools' own
-            "STIGMER_SERVER_PORT": "7000",  # upstream's server reads more STIGMER_* names: warned
+            "STIGMER_SERVER_URL": "http://x",  # upstream's server reads more STIGMER_* names: warned
+            # Kubernetes service links of a Service `sandbox-lanes-metrics` (enableServiceLinks)
+            "SANDBOX_LANES_METRICS_SERVICE_HOST": "10.0.0.1",
+            "SANDBOX_LANES_METRICS_SERVICE_PORT_METRICS": "8080",
+            "SANDBOX_LANES_METRICS_PORT": "tcp://10.0.0.1:8080",
+            "SANDBOX_LANES_METRICS_PORT_8080_TCP_ADDR": "10.0.0.1",
         }
     )
-    assert settings.warnings == ("STIGMER_SERVER_PORT is not a setting of this pod; ignored",)
+    assert settings.warnings == ("STIGMER_SERVER_URL is not a setting of this pod; ignored",)
     with pytest.raises(ConfigError, match="unknown setting 'SANDBOX_LANES_SHINY'"):
         load_settings({"SANDBOX_LANES_SHINY": "1"})
 

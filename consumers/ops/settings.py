@@ -248,6 +248,12 @@ TOOL_ENV_NAMES: frozenset[str] = frozenset(
     }
 )
 _OWN_PREFIX = "SANDBOX_LANES_"
+#: What Kubernetes puts into a pod's environment for every Service of its namespace (service links:
+#: a Service ``sandbox-lanes-metrics`` gives ``SANDBOX_LANES_METRICS_SERVICE_HOST``, ``…_PORT``,
+#: ``…_PORT_8080_TCP_ADDR`` …): never a typo of a setting, so passed through.
+_SERVICE_LINK = re.compile(
+    r"^[A-Z0-9_]+_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT|PORT_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)$"
+)
 _UPSTREAM_PREFIX = "STIGMER_"
 
 #: Drivers that start an image: its runner's HOME is the image's, never a listed value.
@@ -533,7 +539,7 @@ def _unknown_names(env: Mapping[str, str], runner_names: set[str]) -> list[str]:
     known = set(_BY_NAME)
     warnings = []
     for name in sorted(env):
-        if name in known or name in TOOL_ENV_NAMES or name in runner_names:
+        if name in known or name in TOOL_ENV_NAMES or name in runner_names or _SERVICE_LINK.match(name):
             continue
         if name.startswith(_OWN_PREFIX):
             raise ConfigError(
