@@ -50,11 +50,15 @@ def group_consumer_for(cfg: PodConfig) -> AIOKafkaConsumer:
 
 
 def group_joined(consumer: AIOKafkaConsumer | None) -> bool:
-    """Whether the consumer is a member of its group now (a generation > 0), partitions or none.
-    aiokafka has no public accessor; its coordinator's ``generation`` is read defensively."""
+    """Whether the consumer is a member of its group now with its assignment settled (a generation
+    > 0 and no reassignment in progress), partitions or none. Between JoinGroup and the applied
+    SyncGroup answer the generation is already set and the assignment still empty: that is not
+    an idle member. aiokafka has no public accessor; its state is read defensively."""
     coordinator = getattr(consumer, "_coordinator", None)
     generation = getattr(coordinator, "generation", -1)
-    return isinstance(generation, int) and generation > 0
+    subscription = getattr(consumer, "_subscription", None)
+    settling = getattr(subscription, "reassignment_in_progress", True)
+    return isinstance(generation, int) and generation > 0 and settling is False
 
 
 class RebalanceHooks(ConsumerRebalanceListener):  # type: ignore[misc]
