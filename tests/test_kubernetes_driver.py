@@ -770,6 +770,8 @@ async def test_registry_selects_this_driver(kube_apiserver: KubeApiServer) -> No
 
 
 def _manifest_docs() -> list[dict[str, Any]]:
+    """The kubernetes overlay's RBAC as shipped (its server-side dry run as rendered by kustomize:
+    tests/test_packaging.py)."""
     docs: list[dict[str, Any]] = []
     for name in (
         "base/namespaces.yaml",
@@ -802,41 +804,6 @@ def _ensure_real(api: Any, doc: dict[str, Any]) -> None:
     except ApiException as exc:
         if exc.status != 409:
             raise
-
-
-def test_compose_manifests_pass_server_side_dry_run(kube_admin: Any) -> None:
-    docs = _manifest_docs()
-    assert [d["kind"] for d in docs] == [
-        "Namespace",
-        "Namespace",
-        "ServiceAccount",
-        "Role",
-        "RoleBinding",
-        "Deployment",
-    ]
-    for doc in docs:
-        if doc["kind"] == "Namespace":
-            _create(kube_admin, doc, dry_run="All")
-            _ensure_real(kube_admin, doc)  # namespaced dry-runs need their namespace to exist
-    for doc in docs:
-        if doc["kind"] != "Namespace":
-            out = _create(kube_admin, doc, dry_run="All")
-            assert out.metadata.name == doc["metadata"]["name"]
-    # Nothing but the namespaces was persisted by the dry-run.
-    assert (
-        _read_or_none(_apps(kube_admin).read_namespaced_deployment, "sandbox-lanes", "sandbox-lanes") is None
-    )
-
-    dep = next(d for d in docs if d["kind"] == "Deployment")
-    c = dep["spec"]["template"]["spec"]["containers"][0]
-    assert c["image"] == "sandbox-lanes:latest"
-    env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["SANDBOX_PROVISIONER_TYPE"] == "kubernetes"
-    assert "KAFKA_BOOTSTRAP_SERVERS" in env
-    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert c["ports"][0]["containerPort"] == 8080
-    assert c["securityContext"]["runAsNonRoot"] is True
 
 
 def _impersonating_driver(kube_apiserver: KubeApiServer, namespace: str, user: str) -> KubernetesProvisioner:
