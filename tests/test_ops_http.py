@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -541,8 +541,18 @@ async def test_static_membership_gets_the_partitions_back_without_a_rebalance(
         await consumer.start()
         consumer.subscribe(list(topics.inputs))
     try:
-        before = await assigned(first)
-        await assigned(other)
+        # The group is settled once the two hold every input partition between them, disjoint
+        # (a member's first assignment may be from before the other joined).
+        every = {TopicPartition(t, p) for t in topics.inputs for p in range(settings.partitions)}
+        for _ in range(300):
+            await first.getmany(timeout_ms=50)
+            await other.getmany(timeout_ms=50)
+            mine, theirs = set(first.assignment()), set(other.assignment())
+            if mine and theirs and not mine & theirs and mine | theirs == every:
+                break
+        else:
+            raise TimeoutError(f"the group did not settle: {first.assignment()} / {other.assignment()}")
+        before = frozenset(first.assignment())
         generation = other._coordinator.generation
         await first.stop()  # a static member leaves no LeaveGroup: the group waits for it
         again = member("pod-0")
