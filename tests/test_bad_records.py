@@ -378,3 +378,47 @@ async def test_a_finished_execution_is_tombstoned_after_retention(
         assert composed.pod.store.get(0, running) is not None
         restored = composed.pod.store.get(0, done)
         assert restored is not None and restored.applied_count == 1  # the new execution's alone
+
+
+@pytest.mark.timeout(180)
+async def test_a_dead_letter_the_dead_letter_topic_refuses_goes_bare(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """A dead-letter topic with a smaller size limit than the copy: the dead letter still gets through,
+    with the original's sizes and hashes instead of its bytes, and the partition goes on."""
+    env = unique_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_PROVISIONER_TYPE="memory",
+        SANDBOX_LANES_PARTITIONS="1",
+        SANDBOX_LANES_DEAD_LETTER_ATTEMPTS="2",
+    )
+    topics = load_settings(env).topics
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [NewTopic(topics.dead_letter, 1, 1, topic_configs={"max.message.bytes": "4000"})]
+        )
+    finally:
+        await admin.close()
+    garbage = b"\xff" * 20_000  # does not decode: dead-lettered at the edge, its copy too large
+    async with running_pod(env):
+        offset = await _send(
+            kafka_bootstrap,
+            topics.execution_created,
+            garbage,
+            b"wf-garbage",
+            [("ce_type", b"sandbox_lanes.v1.ExecutionCreated")],
+        )
+        ordinary = f"wf-after-{uuid.uuid4().hex[:8]}"
+        await _send_event(kafka_bootstrap, env, wf_created(ordinary))
+        outcomes = await _outcomes_of(kafka_bootstrap, env, ordinary, 1)
+        assert isinstance(outcomes[0], outcomes_pb2.SandboxProvisioned)
+        letter = await _dead_letter_at(kafka_bootstrap, env, topics.execution_created, offset)
+    assert letter.headers["dlq_reason"].startswith("its transaction failed 2 times the same way")
+    assert letter.value == b"" and letter.key == ""
+    assert letter.headers["dlq_value_size"] == "20000"
+    assert letter.headers["dlq_value_sha256"] == hashlib.sha256(garbage).hexdigest()
+    assert letter.headers["dlq_key_sha256"] == hashlib.sha256(b"wf-garbage").hexdigest()
+    assert letter.headers["dlq_headers_omitted"] == "1"

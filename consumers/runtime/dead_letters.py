@@ -67,6 +67,20 @@ def dead_letter_record(rec: ConsumerRecord[bytes, bytes], reason: str, pod_id: s
     return EncodedRecord(key=key, value=value, headers=[*copied, *own])
 
 
+def bare_dead_letter(rec: ConsumerRecord[bytes, bytes], reason: str, pod_id: str) -> EncodedRecord:
+    """The smallest dead letter: where the record is, why, and its parts' sizes and hashes only.
+
+    For a record whose full dead letter the dead-letter topic itself refused (its own size limit):
+    a dead letter must always get through.
+    """
+    headers = _envelope(rec.topic, rec.partition, rec.offset, reason, pod_id)
+    _cut("key", rec.key or b"", 0, headers)
+    _cut("value", rec.value or b"", 0, headers)
+    if rec.headers:
+        headers.append(("dlq_headers_omitted", str(len(rec.headers)).encode()))
+    return EncodedRecord(key=b"", value=b"", headers=headers)
+
+
 def unparsable_dead_letter(
     topic: str, partition: int, offset: int, reason: str, pod_id: str
 ) -> EncodedRecord:

@@ -18,7 +18,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from consumers.lanes.commands import Command, Outcome, StateView
 from consumers.lanes.outbox import new_effects
 from consumers.runtime.create_order import CreateOrderGate
-from consumers.runtime.dead_letters import dead_letter_record, unparsable_dead_letter
+from consumers.runtime.dead_letters import bare_dead_letter, dead_letter_record, unparsable_dead_letter
 from consumers.runtime.effects import Completion
 from consumers.runtime.failures import oversize_reason
 from consumers.runtime.metrics import PodMetrics
@@ -143,7 +143,7 @@ class PartitionTransaction:
         self.touch()
         doomed = self.doomed.get(record_ref(rec))
         if doomed is not None:
-            await self._dead_letter(rec, doomed.reason, unparsable=doomed.unparsable)
+            await self._dead_letter(rec, doomed.reason, unparsable=doomed.unparsable, bare=doomed.bare)
             return False
         try:
             event = decode_input(
@@ -213,7 +213,12 @@ class PartitionTransaction:
         return self.store.get(self.partition, key)
 
     async def _dead_letter(
-        self, rec: ConsumerRecord[bytes, bytes], reason: str, *, unparsable: bool = False
+        self,
+        rec: ConsumerRecord[bytes, bytes],
+        reason: str,
+        *,
+        unparsable: bool = False,
+        bare: bool = False,
     ) -> None:
         self.stats.dead_lettered += 1
         self.metrics.dead_letters.inc()
@@ -223,6 +228,8 @@ class PartitionTransaction:
         )
         if unparsable:
             record = unparsable_dead_letter(rec.topic, rec.partition, rec.offset, reason, self.config.pod_id)
+        elif bare:
+            record = bare_dead_letter(rec, reason, self.config.pod_id)
         else:
             record = dead_letter_record(rec, reason, self.config.pod_id)
         await self.sink.send(self.config.topics.dead_letter, record)

@@ -677,7 +677,12 @@ class Pod:
             )
             return True
         assert isinstance(subject, tuple)
-        self._doomed[subject] = Doom(f"its transaction failed {attempts} times the same way: {error}")
+        reason = f"its transaction failed {attempts} times the same way: {error}"
+        doomed = self._doomed.get(subject)
+        # Its dead letter failed as well (the dead-letter topic's own limit): the next one is bare.
+        self._doomed[subject] = (
+            Doom(reason, unparsable=doomed.unparsable, bare=True) if doomed else Doom(reason)
+        )
         return False
 
     async def _failed(

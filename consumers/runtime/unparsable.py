@@ -40,6 +40,9 @@ class Doom(NamedTuple):
     reason: str
     #: The Kafka client could not parse it: the record in the batch is a placeholder.
     unparsable: bool = False
+    #: Its dead letter kept failing too (a dead-letter topic with a smaller size limit): send one
+    #: with the original's sizes and hashes only.
+    bare: bool = False
 
 
 def record_ref(rec: ConsumerRecord[bytes, bytes]) -> RecordRef:
