@@ -57,15 +57,16 @@ async def _create_state_topic(bootstrap: str, env: dict[str, str], configs: dict
         await admin.close()
 
 
+def _one_partition_env(bootstrap: str, tmp_path: Path, **overrides: str) -> dict[str, str]:
+    """A pod that owns everything: one partition per input topic, the memory driver."""
+    return unique_env(
+        bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory", SANDBOX_LANES_PARTITIONS="1", **overrides
+    )
+
+
 @pytest_asyncio.fixture
 async def pod(kafka_bootstrap: str, tmp_path: Path) -> AsyncIterator[tuple[Composed, dict[str, str]]]:
-    env = unique_env(
-        kafka_bootstrap,
-        tmp_path,
-        SANDBOX_PROVISIONER_TYPE="memory",
-        SANDBOX_LANES_PARTITIONS="1",
-        SANDBOX_LANES_DEAD_LETTER_ATTEMPTS="2",
-    )
+    env = _one_partition_env(kafka_bootstrap, tmp_path, SANDBOX_LANES_DEAD_LETTER_ATTEMPTS="2")
     # The state topic refuses records over 20 kB: an input that passes the edge but whose state
     # is larger fails its transaction at the broker, the same way on every retry.
     await _create_state_topic(kafka_bootstrap, env, {"max.message.bytes": "20000"})
@@ -329,13 +330,7 @@ async def _committed(bootstrap: str, env: dict[str, str], tp: TopicPartition) ->
 async def test_a_finished_execution_is_tombstoned_after_retention(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
-    env = unique_env(
-        kafka_bootstrap,
-        tmp_path,
-        SANDBOX_PROVISIONER_TYPE="memory",
-        SANDBOX_LANES_PARTITIONS="1",
-        SANDBOX_LANES_STATE_RETENTION_S="3",
-    )
+    env = _one_partition_env(kafka_bootstrap, tmp_path, SANDBOX_LANES_STATE_RETENTION_S="3")
     topics = load_settings(env).topics
     done, running = f"wf-done-{uuid.uuid4().hex[:6]}", f"wf-running-{uuid.uuid4().hex[:6]}"
     async with running_pod(env) as composed:
@@ -386,13 +381,7 @@ async def test_a_dead_letter_the_dead_letter_topic_refuses_goes_bare(
 ) -> None:
     """A dead-letter topic with a smaller size limit than the copy: the dead letter still gets through,
     with the original's sizes and hashes instead of its bytes, and the partition goes on."""
-    env = unique_env(
-        kafka_bootstrap,
-        tmp_path,
-        SANDBOX_PROVISIONER_TYPE="memory",
-        SANDBOX_LANES_PARTITIONS="1",
-        SANDBOX_LANES_DEAD_LETTER_ATTEMPTS="2",
-    )
+    env = _one_partition_env(kafka_bootstrap, tmp_path, SANDBOX_LANES_DEAD_LETTER_ATTEMPTS="2")
     topics = load_settings(env).topics
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     await admin.start()
