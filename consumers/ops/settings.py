@@ -306,24 +306,15 @@ def _replication(env: Mapping[str, str]) -> int:
     return number
 
 
-def _seconds_or_zero(env: Mapping[str, str], name: str) -> float:
+def _float(env: Mapping[str, str], name: str, *, allow_zero: bool = False) -> float:
     value = _get(env, name)
     try:
         number = float(value)
     except ValueError:
         raise ConfigError(f"{name}={value!r} is not a number") from None
-    if number < 0:
+    if allow_zero and number < 0:
         raise ConfigError(f"{name}={number:g} must be zero or positive")
-    return number
-
-
-def _float(env: Mapping[str, str], name: str) -> float:
-    value = _get(env, name)
-    try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not a number") from None
-    if number <= 0:
+    if not allow_zero and number <= 0:
         raise ConfigError(f"{name}={number} must be positive")
     return number
 
@@ -756,8 +747,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ensure_timeout_s=_float(env, "SANDBOX_LANES_ENSURE_TIMEOUT_S"),
         teardown_timeout_s=_float(env, "SANDBOX_LANES_TEARDOWN_TIMEOUT_S"),
         provisioner_type=provisioner_type,
-        reap_interval_s=_seconds_or_zero(env, "SANDBOX_LANES_REAP_INTERVAL_S"),
-        reap_grace_s=_seconds_or_zero(env, "SANDBOX_LANES_REAP_GRACE_S"),
+        reap_interval_s=_float(env, "SANDBOX_LANES_REAP_INTERVAL_S", allow_zero=True),
+        reap_grace_s=_float(env, "SANDBOX_LANES_REAP_GRACE_S", allow_zero=True),
         agent=agent,
         workflow=workflow,
         driver=driver,

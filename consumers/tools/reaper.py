@@ -48,7 +48,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from consumers.lanes.commands import LaneConfig
 from consumers.lanes.constants import TERMINAL_WORKFLOW_PHASES
 from consumers.lanes.rules import STATE_SCHEMA_VERSION, sandbox_ref
-from consumers.ops.settings import ConfigError, Settings
+from consumers.ops.settings import Settings
 from consumers.runtime.executor import error_message
 from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.metrics import PodMetrics
@@ -64,9 +64,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("sandbox_lanes.reaper")
 
-REAP_INTERVAL_ENV = "SANDBOX_LANES_REAP_INTERVAL_S"
 REAP_GRACE_ENV = "SANDBOX_LANES_REAP_GRACE_S"
-DEFAULT_REAP_INTERVAL_S = 300.0
 DEFAULT_REAP_GRACE_S = 600.0
 
 _ENDED_LIFECYCLES = (state_pb2.SANDBOX_DEPROVISIONED, state_pb2.SANDBOX_TEARDOWN_FAILED)
@@ -424,27 +422,6 @@ class Reaper:
 # --- knobs, the periodic task, the CLI -----------------------------------------------------------
 
 
-def _seconds(settings: Settings, name: str, default: float, *, allow_zero: bool) -> float:
-    raw = settings.raw.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number") from None
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{name}={value:g} must be {'zero or ' if allow_zero else ''}positive")
-    return value
-
-
-def reap_interval_s(settings: Settings) -> float:
-    return _seconds(settings, REAP_INTERVAL_ENV, DEFAULT_REAP_INTERVAL_S, allow_zero=True)
-
-
-def reap_grace_s(settings: Settings) -> float:
-    return _seconds(settings, REAP_GRACE_ENV, DEFAULT_REAP_GRACE_S, allow_zero=True)
-
-
 def _isolation(settings: Settings) -> str:
     return "read_committed" if settings.guarantee == "exactly_once" else "read_uncommitted"
 
@@ -457,7 +434,7 @@ def reaper_for(settings: Settings, composed: Composed) -> Reaper | None:
         settings.bootstrap,
         settings.topics,
         composed.lane,
-        grace_s=reap_grace_s(settings),
+        grace_s=settings.reap_grace_s,
         isolation_level=_isolation(settings),
         metrics=composed.metrics,
         teardown_timeout_s=settings.teardown_timeout_s,
@@ -516,7 +493,7 @@ async def _first(stop: asyncio.Event, ready: asyncio.Event) -> None:
 
 def start_periodic_reaper(settings: Settings, composed: Composed) -> asyncio.Task[None] | None:
     """Start the pod's periodic reaper (``SANDBOX_LANES_REAP_INTERVAL_S``, 0 = off); the pod awaits it."""
-    interval = reap_interval_s(settings)
+    interval = settings.reap_interval_s
     reaper = reaper_for(settings, composed)
     if interval == 0 or reaper is None:
         return None
@@ -571,7 +548,7 @@ def run(args: argparse.Namespace) -> int:
         args.bootstrap or settings.bootstrap,
         settings.topics,
         lane,
-        grace_s=args.grace if args.grace is not None else reap_grace_s(settings),
+        grace_s=args.grace if args.grace is not None else settings.reap_grace_s,
         isolation_level=_isolation(settings),
         teardown_timeout_s=settings.teardown_timeout_s,
         security=settings.kafka_security,
