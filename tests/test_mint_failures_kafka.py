@@ -18,7 +18,7 @@ from consumers.ops.settings import load_settings
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
 from tests.barrier import barrier, read_settled
-from tests.pod_harness import PodProcess, latest_states, produce, read_topic, unique_env
+from tests.pod_harness import PodProcess, latest_states, produce, read_topic, unique_env, wf_terminal
 from tests.proc_util import runner_pids
 
 pytestmark = [pytest.mark.kafka, pytest.mark.usefixtures("no_leaked_runners")]
@@ -93,17 +93,7 @@ async def test_a_provider_that_raises_returns_a_non_string_or_hangs_fails_the_en
             f"wfexec:{w}" for w in workflows.values()
         ]
         runners_of_failed = {q: runner_pids(q) for q in failed_queues}
-        await produce(
-            kafka_bootstrap,
-            env,
-            inputs_pb2.PhaseChanged(
-                meta=new_meta(),
-                kind=common_pb2.WORKFLOW_EXECUTION,
-                execution_id=control,
-                previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
-                new_phase=common_pb2.EXECUTION_COMPLETED,
-            ),
-        )
+        await produce(kafka_bootstrap, env, wf_terminal(control))
         await read_topic(kafka_bootstrap, topics.outcomes, at_least=8)
         assert pod.proc is not None and pod.proc.poll() is None, "the pod stopped"
     finally:
