@@ -191,3 +191,48 @@ def test_bench_tiny_retention_keeps_state_flat_next_to_kept(kafka_bootstrap: str
     assert kept["ratios_to_first_wave"]["keys_held"] == [1.0, 2.0]
     assert "9. bounded state: 2 waves of 200 workflow executions" in proc.stdout
     assert "| keys held after the wait, kept | 200 (1.00x) | 400 (2.00x) |" in proc.stdout
+
+
+@pytest.mark.timeout(600)  # four systems' throughput, then each at half of it and one at a time; three slow
+def test_bench_tiny_peers_latency_and_slow_driver(kafka_bootstrap: str, tmp_path: Path) -> None:
+    out = tmp_path / "peers-latency.json"
+    cmd = [
+        sys.executable, "-m", "consumers.tools.cli", "bench", "--only", "peers_latency,slow_driver",
+        "--bootstrap", kafka_bootstrap, "--out", str(out), "--no-progress", "--repeats", "1",
+        "--partitions", "2", "--peer-events", "300", "--latency-seconds", "1", "--latency-warmup", "0.5",
+        "--latency-floor-seconds", "1", "--latency-prime", "2",
+        "--slow-events", "20", "--slow-latency-ms", "5,20", "--slow-timeout-s", "20",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=570, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figs = json.loads(out.read_text())["figures"]
+    errors = {name: fig["error"] for name, fig in figs.items() if "error" in fig}
+    assert not errors, errors
+
+    # latency side by side: each system's throughput measured in the run, then halved; every outcome read
+    lat = figs["peers_latency"]
+    assert lat["not_installed"] == [] and lat["errors"] == {}, lat
+    systems = {"pod", "quix", "faust", "confluent"}
+    assert set(lat["throughput"]) == set(lat["half_rate"]) == set(lat["floor"]) == systems
+    for system in systems:
+        assert lat["throughput"][system] > 0
+        assert lat["half_rate"][system]["offered_rate"] == lat["throughput"][system] / 2
+        for fig in (lat["half_rate"][system], lat["floor"][system]):
+            _positive(fig, "samples", "p50_ms", "p99_ms")
+            assert fig["lost"] == 0, (system, fig)
+    assert lat["goal"]["pod_p99_ms"] > 0 and lat["goal"]["quix_p50_ms"] > 0
+    assert "10. produce -> outcome readable (read_committed), p50 / p99: this pod" in proc.stdout
+    assert "pod p99 at half rate vs Quix p50 at half rate" in proc.stdout
+
+    # the slow driver: every system finished its few events, the pod through its memory driver
+    slow = figs["slow_driver"]
+    assert slow["not_installed"] == [] and slow["errors"] == {}, slow
+    assert set(slow["systems"]) == {"pod", "quix", "confluent"}
+    for fig in slow["systems"].values():
+        assert fig["finished"] and fig["readable"] == [20], fig
+        _positive(fig, "events_per_s", "seconds", "time_to_outcome_p50_ms")
+    _positive(slow, "ratio_pod_quix", "pod_driver_concurrency")
+    assert "11. slow driver (20 events, 5-20 ms per ensure)" in proc.stdout

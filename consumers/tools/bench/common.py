@@ -21,9 +21,12 @@ from consumers.ops.progress import progress
 logger = logging.getLogger("sandbox_lanes.bench")
 
 
-FIGURES = ("ceiling", "pod", "latency", "peers", "rules", "restore", "drivers", "burst", "retention")
+FIGURES = (
+    "ceiling", "pod", "latency", "peers", "rules", "restore", "drivers", "burst", "retention",
+    "peers_latency", "slow_driver",
+)  # fmt: skip
 #: Not in the default set (``--only`` them): minutes each, and measured for what they show, not per change.
-OPT_IN = ("burst", "retention")
+OPT_IN = ("burst", "retention", "peers_latency", "slow_driver")
 GOALS = {
     "pod_ratio": 0.5,
     "restore_1m_seconds": 60.0,

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,22 +117,24 @@ async def read_sink(bootstrap: str, topic: str, partitions: int) -> SinkReading:
 
 
 def peer_command(module: str, bootstrap: str, source: str, sink: str, group: str, guarantee: str,
-                 partitions: int, state_dir: str) -> list[str]:  # fmt: skip
+                 partitions: int, state_dir: str, extra: tuple[str, ...] = ()) -> list[str]:  # fmt: skip
     return [
         sys.executable, "-m", module, "--bootstrap", bootstrap, "--source", source, "--sink", sink,
         "--group", group, "--guarantee", guarantee, "--partitions", str(partitions),
-        "--state-dir", state_dir,
+        "--state-dir", state_dir, *extra,
     ]  # fmt: skip
 
 
-async def run_peer(
+@contextlib.asynccontextmanager
+async def peer_process(
     module: str, bootstrap: str, source: str, sink: str, group: str, guarantee: str,
-    partitions: int, n: int, timeout_s: float, state_dir: str | None = None,
-) -> None:  # fmt: skip
-    """Run a peer until its group has committed ``n`` input offsets, then stop it (SIGTERM)."""
+    partitions: int, state_dir: str | None = None, extra: tuple[str, ...] = (),
+) -> AsyncIterator[Callable[[], None]]:  # fmt: skip
+    """A peer running for the block (stopped with SIGTERM after it); yields ``alive()``, which raises
+    with the tail of the peer's output once it has exited."""
     with tempfile.TemporaryDirectory(prefix="sandbox-lanes-peer-") as scratch:
         state_dir = state_dir or scratch
-        cmd = peer_command(module, bootstrap, source, sink, group, guarantee, partitions, state_dir)
+        cmd = peer_command(module, bootstrap, source, sink, group, guarantee, partitions, state_dir, extra)
         with tempfile.TemporaryFile() as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=state_dir,
                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
@@ -143,7 +146,7 @@ async def run_peer(
                     raise RuntimeError(f"{module} exited {proc.returncode}: {tail}")
 
             try:
-                await wait_committed(bootstrap, group, source, n, timeout_s, alive)
+                yield alive
             finally:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -152,6 +155,16 @@ async def run_peer(
                     except subprocess.TimeoutExpired:
                         proc.kill()
                         await asyncio.to_thread(proc.wait)
+
+
+async def run_peer(
+    module: str, bootstrap: str, source: str, sink: str, group: str, guarantee: str,
+    partitions: int, n: int, timeout_s: float, state_dir: str | None = None,
+) -> None:  # fmt: skip
+    """Run a peer until its group has committed ``n`` input offsets, then stop it (SIGTERM)."""
+    async with peer_process(module, bootstrap, source, sink, group, guarantee, partitions,
+                            state_dir) as alive:  # fmt: skip
+        await wait_committed(bootstrap, group, source, n, timeout_s, alive)
 
 
 async def _run_pod(base: dict[str, str], sink: str, guarantee: str, tag: str, n: int,
@@ -175,15 +188,20 @@ async def _run_pod(base: dict[str, str], sink: str, guarantee: str, tag: str, n:
     return group
 
 
-async def measure_peers(args: argparse.Namespace, bootstrap: str, show: bool) -> dict[str, Any]:
+async def measure_peers(
+    args: argparse.Namespace,
+    bootstrap: str,
+    show: bool,
+    only: tuple[tuple[str, str, str | None], ...] = SYSTEMS,
+) -> dict[str, Any]:
     n = args.peer_events
     tag, base, topics, created = await prepared_inputs(bootstrap, "bench-peers", args.partitions, n, show)
     source = topics.execution_created
     rates: dict[str, list[float]] = {}
     checks: dict[str, dict[str, int]] = {}
     errors: dict[str, str] = {}
-    missing = sorted({s for s, _, _ in SYSTEMS if not installed(s)})
-    systems = [s for s in SYSTEMS if s[0] not in missing]
+    missing = sorted({s for s, _, _ in only if not installed(s)})
+    systems = [s for s in only if s[0] not in missing]
     timeout = max(180.0, n / 100)
     try:
         with progress("pod and peers", args.repeats * len(systems), enabled=show) as bar:

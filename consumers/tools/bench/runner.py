@@ -52,6 +52,18 @@ def _sizes_one(text: str) -> int:
     return _sizes(text)[0]
 
 
+def _latency_rates(text: str) -> dict[str, float]:
+    from consumers.tools.bench.peers_latency import parse_rates
+
+    return parse_rates(text)
+
+
+def _latency_range(text: str) -> tuple[float, float]:
+    from consumers.tools.bench.slow_driver import latency_range
+
+    return latency_range(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", help="use this Kafka instead of starting a fresh Apache Kafka broker")
     parser.add_argument("--out", default="bench-results.json", help="JSON results file")
@@ -69,6 +81,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--latency-seconds", type=float, default=10.0, help="measured seconds per run")
     parser.add_argument("--latency-warmup", type=float, default=1.0, help="seconds discarded per run")
+    parser.add_argument(
+        "--latency-rates",
+        type=_latency_rates,
+        default={},
+        help="peers_latency: system=events/s,... to halve (pod, quix, faust, confluent) instead of measuring",
+    )
+    parser.add_argument(
+        "--latency-floor-seconds", type=float, default=15.0, help="peers_latency: one-at-a-time seconds"
+    )
+    parser.add_argument(
+        "--latency-prime",
+        type=int,
+        default=6,
+        help="peers_latency/slow_driver: inputs awaited before the load",
+    )
+    parser.add_argument(
+        "--slow-latency-ms",
+        type=_latency_range,
+        default=(50.0, 300.0),
+        help="slow_driver: LOW,HIGH per ensure",
+    )
+    parser.add_argument("--slow-seed", type=int, default=28, help="slow_driver: seed of the latency draws")
+    parser.add_argument("--slow-events", type=int, default=400, help="slow_driver: inputs per system")
+    parser.add_argument(
+        "--slow-timeout-s",
+        type=float,
+        default=60.0,
+        help="slow_driver: seconds before the rate reached is taken",
+    )
     parser.add_argument("--rules-events", type=int, default=200_000, help="events per pure-rules run")
     parser.add_argument(
         "--restore-sizes", type=_sizes, default=[10_000, 100_000, 1_000_000], help="e.g. 10k,100k,1m"
@@ -108,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--only",
         default=",".join(f for f in FIGURES if f not in OPT_IN),
-        help=f"comma-separated subset of {','.join(FIGURES)} (default: all but {' and '.join(OPT_IN)})",
+        help=f"comma-separated subset of {','.join(FIGURES)} (default: all but {', '.join(OPT_IN)})",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -151,6 +192,16 @@ async def _main(args: argparse.Namespace, bootstrap: str | None, only: set[str])
             from consumers.tools.bench.peers_figure import measure_peers
 
             await timed("peers", lambda: measure_peers(args, bootstrap, show))
+        if "peers_latency" in only:
+            from consumers.tools.bench.peers_latency import measure_peers_latency
+
+            await timed(
+                "peers_latency", lambda: measure_peers_latency(args, bootstrap, show, figures.get("peers"))
+            )
+        if "slow_driver" in only:
+            from consumers.tools.bench.slow_driver import measure_slow_driver
+
+            await timed("slow_driver", lambda: measure_slow_driver(args, bootstrap, show))
         if "restore" in only:
             await timed("restore", lambda: measure_restore(args, bootstrap, show))
             from consumers.tools.bench.peers_restore import measure_quix_restore
@@ -180,7 +231,20 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"sandbox-lanes bench: unknown figure(s) {sorted(unknown)}; known: {FIGURES}", file=sys.stderr)
         return 2
-    needs_kafka = bool(only & {"ceiling", "pod", "latency", "peers", "restore", "burst", "retention"})
+    needs_kafka = bool(
+        only
+        & {
+            "ceiling",
+            "pod",
+            "latency",
+            "peers",
+            "restore",
+            "burst",
+            "retention",
+            "peers_latency",
+            "slow_driver",
+        }
+    )
     # SIGTERM takes Ctrl-C's path: the running figure is cancelled and everything it started (its
     # broker, node, controller, pods, topics) is stopped on the way out instead of left running.
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -258,5 +322,18 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
         out.append(
             f"--retention-waves {args.retention_waves} --retention-wave-size {args.retention_wave_size} "
             f"--retention-seconds {args.retention_seconds}"
+        )
+    if "peers_latency" in args.only:
+        rates = ",".join(f"{k}={v:g}" for k, v in args.latency_rates.items())
+        out.append(
+            f"--latency-seconds {args.latency_seconds:g} --latency-warmup {args.latency_warmup:g} "
+            f"--latency-floor-seconds {args.latency_floor_seconds:g} --latency-prime {args.latency_prime}"
+            + (f" --latency-rates {rates}" if rates else f" --peer-events {args.peer_events}")
+        )
+    if "slow_driver" in args.only:
+        low, high = args.slow_latency_ms
+        out.append(
+            f"--slow-events {args.slow_events} --slow-latency-ms {low:g},{high:g} "
+            f"--slow-seed {args.slow_seed} --slow-timeout-s {args.slow_timeout_s:g}"
         )
     return out

@@ -111,6 +111,23 @@ def render_table(doc: dict[str, Any]) -> str:
             from consumers.tools.bench.peers_figure import report_rows as peer_rows
 
             rows.extend(peer_rows(peers))
+    for key, title, module in (
+        ("peers_latency", "10. peers latency", "peers_latency"),
+        ("slow_driver", "11. slow driver", "slow_driver"),
+    ):
+        fig = figs.get(key)
+        if fig is None:
+            continue
+        if "error" in fig:
+            err(title, fig)
+        elif module == "peers_latency":
+            from consumers.tools.bench.peers_latency import report_rows as latency_rows
+
+            rows.extend(latency_rows(fig))
+        else:
+            from consumers.tools.bench.slow_driver import report_rows as slow_rows
+
+            rows.extend(slow_rows(fig))
     burst = figs.get("burst")
     if burst is not None:
         if "error" in burst:

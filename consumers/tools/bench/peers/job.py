@@ -6,6 +6,9 @@ a per-execution state and write one protobuf ``SandboxProvisioned`` (uuid5 id, C
 from __future__ import annotations
 
 import argparse
+import random
+import time
+from collections.abc import Callable
 from typing import Any
 
 from drivers.naming import sandbox_base_name
@@ -47,6 +50,21 @@ def new_state(value: bytes, state: dict[str, Any] | None) -> tuple[dict[str, Any
     return new, encode(outcome, source=SOURCE).value
 
 
+def inline_ensure(args: argparse.Namespace) -> Callable[[], None]:
+    """The driver call as an inline design makes it: a blocking wait per ensure, drawn uniformly from
+    ``--ensure-latency-ms LO,HI`` with ``--seed`` (the memory driver's draws for ``ensure_latency_ms=LO``,
+    ``latency_jitter_ms=HI-LO`` and the same seed: the same sequence of waits). No-op without it."""
+    if not args.ensure_latency_ms:
+        return lambda: None
+    low, high = (float(v) for v in args.ensure_latency_ms.split(","))
+    rng = random.Random(args.seed)
+
+    def ensure() -> None:
+        time.sleep((low + rng.uniform(0, high - low)) / 1000)
+
+    return ensure
+
+
 def confluent_clients(args: argparse.Namespace, *, transactional: bool) -> tuple[Any, Any]:
     """The confluent-kafka loops' group consumer (read_committed, manual offsets) and producer
     (transactional: initialised, its offsets to be sent with the consumer's group metadata)."""
@@ -80,4 +98,6 @@ def arguments(description: str) -> argparse.Namespace:
     parser.add_argument("--partitions", type=int, default=3)
     parser.add_argument("--state-dir", default="", help="where a peer keeps local state")
     parser.add_argument("--log-level", default="WARNING", help="the framework's log level")
+    parser.add_argument("--ensure-latency-ms", default="", help="LO,HI: a blocking driver call per ensure")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the driver call's latency draws")
     return parser.parse_args()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from consumers.tools.bench.peers.job import arguments, new_state
+from consumers.tools.bench.peers.job import arguments, inline_ensure, new_state
 
 
 def main() -> None:
@@ -23,9 +23,12 @@ def main() -> None:
     )
     source = app.topic(args.source, key_deserializer="bytes", value_deserializer="bytes")
     sink = app.topic(args.sink, key_serializer="bytes", value_serializer="bytes")
+    ensure = inline_ensure(args)
 
     def apply(value: bytes, state: State[Any, Any]) -> Any:
         new, outcome = new_state(value, state.get("execution"))
+        if outcome is not None:
+            ensure()  # the driver call, inline (bench figure "slow_driver"; a no-op otherwise)
         state.set("execution", new)
         return outcome
 
