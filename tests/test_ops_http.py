@@ -434,16 +434,16 @@ async def test_commits_that_keep_failing_fail_readiness_not_liveness_then_recove
     real and aborted for real; a real missing ACL is tests/test_kafka_security.py's.)"""
     from aiokafka.errors import KafkaError
 
-    from consumers.runtime.sink import BatchSink
+    from consumers.runtime.sink import TransactionalSink
 
     env = unique_env(kafka_bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory")
     topics = load_settings(env).topics
-    real_commit = BatchSink.commit
+    real_commit = TransactionalSink.commit
     failing = asyncio.Event()
     failing.set()
     attempts = 0
 
-    async def commit(self: BatchSink, offsets: Any) -> None:
+    async def commit(self: TransactionalSink, offsets: Any) -> None:
         nonlocal attempts
         if failing.is_set():
             attempts += 1
@@ -455,7 +455,7 @@ async def test_commits_that_keep_failing_fail_readiness_not_liveness_then_recove
         await ops.start()
         try:
             await wait_for_status(ops.port, "/readyz", 200)
-            monkeypatch.setattr(BatchSink, "commit", commit)
+            monkeypatch.setattr(TransactionalSink, "commit", commit)
             await produce(kafka_bootstrap, env, wf_created("wfx_failing_commits_1"))
             wedged = await wait_for_status(ops.port, "/readyz", 503, timeout_s=20)
             assert str(wedged["detail"]).startswith("commits failing for "), wedged

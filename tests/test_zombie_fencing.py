@@ -21,7 +21,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
 
 from consumers.ops.settings import load_settings
-from consumers.runtime.sink import PartitionSinks
+from consumers.runtime.sink import PartitionSinks, TransactionalSink
 from consumers.runtime.topology import Topics
 from events.codec import EncodedRecord
 from events.sandbox_lanes.v1 import outcomes_pb2
@@ -54,13 +54,15 @@ async def test_the_next_owner_of_a_partition_fences_the_previous_writer(
         await admin.close()
     consumer = AIOKafkaConsumer(bootstrap_servers=kafka_bootstrap, group_id=None)
     await consumer.start()
-    options = {"bootstrap_servers": kafka_bootstrap, "acks": "all"}
-    old = PartitionSinks(consumer, group, "exactly_once", options)
-    new = PartitionSinks(consumer, group, "exactly_once", options)
+    options = {"bootstrap.servers": kafka_bootstrap}
+    old = PartitionSinks(consumer, group, "exactly_once", {}, txn_config=options)
+    new = PartitionSinks(consumer, group, "exactly_once", {}, txn_config=options)
+    await old.start()
+    await new.start()
     try:
         await old.open([0])
         zombie = old.get(0)
-        assert zombie is not None
+        assert isinstance(zombie, TransactionalSink)
         await zombie.begin()
         await zombie.send(topic, EncodedRecord(b"k", b"from-the-zombie", []), partition=0)
         await zombie.producer.flush()
@@ -163,7 +165,7 @@ async def test_a_transaction_the_broker_timed_out_fences_the_producer_and_the_po
     record again and keeps deciding new ones: one outcome each, commits succeed again."""
     import logging
 
-    from consumers.runtime.sink import BatchSink
+    from consumers.runtime.sink import TransactionalSink
     from drivers.memory import MemoryProvisioner
     from tests.pod_harness import running_pod
 
@@ -175,10 +177,10 @@ async def test_a_transaction_the_broker_timed_out_fences_the_producer_and_the_po
         SANDBOX_LANES_TRANSACTION_TIMEOUT_MS="1000",
     )
     topics = load_settings(env).topics
-    real_commit = BatchSink.commit
+    real_commit = TransactionalSink.commit
     held = asyncio.Event()
 
-    async def commit(self: BatchSink, offsets: dict[TopicPartition, int]) -> None:
+    async def commit(self: TransactionalSink, offsets: dict[TopicPartition, int]) -> None:
         if offsets and not held.is_set():
             held.set()
             await asyncio.sleep(14)  # > timeout + the broker's 10 s abort-cleanup interval
@@ -187,7 +189,7 @@ async def test_a_transaction_the_broker_timed_out_fences_the_producer_and_the_po
     first = f"wfx_txn_timeout_{RUN}"
     later = [f"wfx_txn_timeout_{RUN}_after_{i}" for i in range(4)]
     async with running_pod(env, provisioner=MemoryProvisioner()) as composed:
-        monkeypatch.setattr(BatchSink, "commit", commit)
+        monkeypatch.setattr(TransactionalSink, "commit", commit)
         await produce(kafka_bootstrap, env, wf_created(first))
         await asyncio.wait_for(held.wait(), 20)
         outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1, timeout_s=90)
@@ -239,7 +241,9 @@ async def test_a_resumed_zombie_creates_no_sandbox_for_an_execution_that_moved_a
     owner = PodProcess({**env, "SANDBOX_LANES_POD_ID": "pod-b"}, tmp_path / "pod-b.log")
     try:
         owner.start()
-        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=30, timeout_s=120, settle_s=0.5)
+        outcomes = await read_topic(
+            kafka_bootstrap, topics.outcomes, at_least=30, timeout_s=120, settle_s=0.5
+        )
         sample()
         assert sum(isinstance(r.message, outcomes_pb2.SandboxProvisioned) for r in outcomes) >= 30
         await produce(kafka_bootstrap, env, *(wf_terminal(e) for e in executions))

@@ -29,6 +29,25 @@ def producer_options_for(cfg: PodConfig) -> dict[str, Any]:
     }
 
 
+def txn_producer_config(cfg: PodConfig) -> dict[str, Any]:
+    """librdkafka options of every per-partition transactional producer (``exactly_once``)."""
+    return {
+        "bootstrap.servers": cfg.bootstrap,
+        "client.id": f"sandbox-lanes-{cfg.pod_id}",
+        "transaction.timeout.ms": cfg.transaction_timeout_ms,
+        "linger.ms": 5,
+        # Java's partitioner (murmur2 of the key), as aiokafka's: a keyed outcome lands where
+        # every other client of the topic expects it.
+        "partitioner": "murmur2_random",
+        # aiokafka's max_request_size: a record up to failures.RECORD_LIMIT_BYTES fits.
+        "message.max.bytes": 1_048_576,
+        # Right after a commit the coordinator answers ConcurrentTransactions until its markers
+        # are written; a short backoff before the next transaction's first request.
+        "retry.backoff.ms": 20,
+        **cfg.security.librdkafka_options(),
+    }
+
+
 def group_consumer_for(cfg: PodConfig) -> AIOKafkaConsumer:
     """The input consumer: manual commits (in the transaction), read_committed under exactly_once."""
     return AIOKafkaConsumer(

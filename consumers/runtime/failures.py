@@ -15,6 +15,7 @@ from typing import Final
 
 from aiokafka import errors as kafka_errors
 
+from consumers.runtime.txn_producer import RecordRefused
 from events.codec import EncodedRecord
 
 #: The largest record the pod produces: aiokafka's default ``max_request_size`` (1,048,576 B) less
@@ -30,6 +31,7 @@ _RECORD_ERRORS: Final = (
     kafka_errors.InvalidTimestampError,
     kafka_errors.CorruptRecordException,
     kafka_errors.UnsupportedCodecError,
+    RecordRefused,
 )
 
 

@@ -11,9 +11,13 @@ from its file (or command) each time the client asks, so a rotated token is pick
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import json
 import logging
 import shlex
 import ssl
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,6 +138,30 @@ class KafkaSecurity:
                 options["sasl_plain_password"] = self.sasl_password
         return options
 
+    def librdkafka_options(self) -> dict[str, Any]:
+        """The same security as librdkafka's options (the ``exactly_once`` producers)."""
+        if self.protocol == "PLAINTEXT":
+            return {}
+        options: dict[str, Any] = {"security.protocol": self.protocol}
+        if self.uses_tls:
+            if self.ca_file:
+                options["ssl.ca.location"] = self.ca_file
+            if self.cert_file:
+                options["ssl.certificate.location"] = self.cert_file
+                options["ssl.key.location"] = self.key_file
+            if self.key_password:
+                options["ssl.key.password"] = self.key_password
+            options["ssl.endpoint.identification.algorithm"] = "https" if self.check_hostname else "none"
+        if self.uses_sasl:
+            options["sasl.mechanism"] = self.sasl_mechanism
+            if self.sasl_mechanism == "OAUTHBEARER":
+                provider = FileOrCommandTokenProvider(self.oauth_token_file, self.oauth_token_command)
+                options["oauth_cb"] = provider.librdkafka_token
+            else:
+                options["sasl.username"] = self.sasl_username
+                options["sasl.password"] = self.sasl_password
+        return options
+
 
 def _check_certificate_dates(path: str) -> None:
     """An expired (or not yet valid) client certificate is refused at start-up, naming its dates:
@@ -208,3 +236,42 @@ class FileOrCommandTokenProvider(AbstractTokenProvider):  # type: ignore[misc]
         if not token:
             raise KafkaSecurityError("the OAUTHBEARER token is empty")
         return token
+
+    def librdkafka_token(self, _config: str) -> tuple[str, float, str, dict[str, str]]:
+        """librdkafka's ``oauth_cb``: the same token, read synchronously (librdkafka's thread).
+
+        Returns the token, when it expires (its JWT ``exp``, else in 5 minutes, after which
+        librdkafka asks again) and the principal (its ``sub``)."""
+        if self._file:
+            text = Path(self._file).read_text()
+        else:
+            proc = subprocess.run(  # argv of the configured command, no shell
+                shlex.split(self._command), capture_output=True, timeout=TOKEN_COMMAND_TIMEOUT_S, check=False
+            )
+            if proc.returncode != 0:
+                raise KafkaSecurityError(
+                    f"KAFKA_SASL_OAUTHBEARER_TOKEN_COMMAND exited {proc.returncode}: "
+                    f"{proc.stderr.decode(errors='replace').strip()[:200]}"
+                )
+            text = proc.stdout.decode()
+        token = text.strip()
+        if not token:
+            raise KafkaSecurityError("the OAUTHBEARER token is empty")
+        claims = _jwt_claims(token)
+        expires = claims.get("exp")
+        expiry = float(expires) if isinstance(expires, int | float) else time.time() + 300.0
+        subject = claims.get("sub")
+        return token, expiry, subject if isinstance(subject, str) and subject else "sandbox-lanes", {}
+
+
+def _jwt_claims(token: str) -> dict[str, Any]:
+    """A JWT's claims, unverified (only its expiry and subject are read, to schedule a refresh)."""
+    parts = token.split(".")
+    if len(parts) < 2:
+        return {}
+    try:
+        payload = base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4))
+        claims = json.loads(payload)
+    except (ValueError, binascii.Error):
+        return {}
+    return claims if isinstance(claims, dict) else {}

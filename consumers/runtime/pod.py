@@ -29,7 +29,12 @@ from aiokafka.partitioner import murmur2
 
 from consumers.lanes.commands import Command, CommandResult, Ensure
 from consumers.runtime.backpressure import FetchThrottle
-from consumers.runtime.clients import RebalanceHooks, group_consumer_for, producer_options_for
+from consumers.runtime.clients import (
+    RebalanceHooks,
+    group_consumer_for,
+    producer_options_for,
+    txn_producer_config,
+)
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
 from consumers.runtime.failures import is_deterministic
@@ -169,7 +174,13 @@ class Pod:
         self._consumer = group_consumer_for(cfg)
         await self._consumer.start()
         self._sinks = PartitionSinks(
-            self._consumer, cfg.group_id, cfg.guarantee, producer_options, sequential=cfg.sequential_produce
+            self._consumer,
+            cfg.group_id,
+            cfg.guarantee,
+            producer_options,
+            txn_config=txn_producer_config(cfg),
+            transaction_timeout_s=cfg.transaction_timeout_ms / 1000,
+            sequential=cfg.sequential_produce,
         )
         await self._sinks.start()
         self._subscribe()
