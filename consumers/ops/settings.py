@@ -42,14 +42,18 @@ class ConfigError(ValueError):
 class Setting:
     env: str
     default: str
+    #: Its row in docs/configuration.md (Markdown; links relative to docs/), generated from here.
     help: str
     secret: bool = False
     #: The pod's own, never a runner's: a local-process runner inherits the pod's environment
     #: without these (every secret, and where a secret is read from).
     pod_only: bool = False
+    #: What an empty ``default`` stands for, when it is computed at start-up (the doc's default column).
+    doc_default: str = ""
 
 
-#: Every knob, in the order the README's config table lists them.
+#: Every knob, in the order docs/configuration.md lists them (``python -m consumers.ops.config_doc``
+#: writes that file from this tuple; tests/test_config_doc.py fails when the two differ).
 SETTINGS: tuple[Setting, ...] = (
     Setting("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092", "Kafka bootstrap servers"),
     Setting(
@@ -90,33 +94,41 @@ SETTINGS: tuple[Setting, ...] = (
         pod_only=True,
     ),
     Setting(
-        "SANDBOX_LANES_GROUP_ID", "sandbox-lanes", "consumer group id (also the transactional id prefix)"
+        "SANDBOX_LANES_GROUP_ID",
+        "sandbox-lanes",
+        "consumer group id (also the transactional id prefix: `<group>-p<N>`)",
     ),
     Setting(
-        "SANDBOX_LANES_POD_ID", "", "this instance's id (default: hostname); part of the transactional id"
+        "SANDBOX_LANES_POD_ID",
+        "",
+        "this instance's id (logs, dead-letter headers, client id)",
+        doc_default="hostname",
     ),
     Setting(
         "SANDBOX_LANES_STATIC_MEMBERSHIP",
         "false",
-        "join the group as static member SANDBOX_LANES_POD_ID (KIP-345): only with stable pod names",
+        "join the consumer group as static member `SANDBOX_LANES_POD_ID` (KIP-345): only with "
+        "stable pod names, see [Probes](operations.md#probes-and-what-kubernetes-does-with-them)",
     ),
-    Setting("SANDBOX_LANES_PROCESSING_GUARANTEE", "exactly_once", "exactly_once or at_least_once"),
+    Setting("SANDBOX_LANES_PROCESSING_GUARANTEE", "exactly_once", "`exactly_once` or `at_least_once`"),
     Setting("SANDBOX_LANES_SEQUENTIAL_PRODUCE", "false", "one record per produce request (needed on Tansu)"),
     Setting(
         "SANDBOX_LANES_PARTITIONS",
         "3",
-        "partitions of the topics `sandbox-lanes topics` plans (the pod creates its own with the "
-        "inputs' count)",
+        "partitions of every topic `sandbox-lanes topics` plans; the pod creates its own topics "
+        "with its input topics' count (see [Topics](operations.md#topics))",
     ),
     Setting(
         "SANDBOX_LANES_REPLICATION",
         "-1",
-        "replication factor of created topics (-1 = the broker's default.replication.factor)",
+        "replication factor of the topics created (`topics --apply`, the pod's own); `-1` = the "
+        "broker's `default.replication.factor`",
     ),
     Setting(
         "SANDBOX_LANES_CREATE_TOPICS",
         "true",
-        "create the pod's own missing topics (state, outcomes, dead letters) at start-up; inputs never",
+        "the pod creates its own missing topics (state, outcomes, dead letters) at start-up; its "
+        "input topics never",
     ),
     Setting("SANDBOX_LANES_TOPIC_EXECUTION_CREATED", "execution-created", "input: ExecutionCreated"),
     Setting("SANDBOX_LANES_TOPIC_PHASE_CHANGED", "phase-changed", "input: PhaseChanged"),
@@ -125,22 +137,23 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "SANDBOX_LANES_TOPIC_STATE", "sandbox-lanes-state", "compacted execution state (key = execution id)"
     ),
-    Setting("SANDBOX_LANES_TOPIC_DLQ", "sandbox-lanes-dlq", "dead letters (reason in header dlq_reason)"),
+    Setting("SANDBOX_LANES_TOPIC_DLQ", "sandbox-lanes-dlq", "dead letters (reason in header `dlq_reason`)"),
     Setting(
         "SANDBOX_LANES_DEAD_LETTER_ATTEMPTS",
         "3",
-        "attempts of a record whose transaction fails the same way each time (size, encoding) before it "
-        "is dead-lettered",
+        "attempts of a record whose transaction fails the same way each time (size, encoding) "
+        "before it is dead-lettered (see [Bad input](guarantees.md#bad-input))",
     ),
     Setting(
         "SANDBOX_LANES_MAX_CLOCK_AHEAD_S",
         "300",
-        "how far an input's occurred_at may be ahead of its record timestamp before it is dead-lettered",
+        ("how far an input's `occurred_at` may be ahead of its record timestamp before it is dead-lettered"),
     ),
     Setting(
         "SANDBOX_LANES_STATE_RETENTION_S",
         "604800",
-        "age (since its last input) at which a finished execution's state is tombstoned (0 = kept for ever)",
+        "age (since its last input) at which a finished execution's state is tombstoned; `0` keeps "
+        "every state for ever (see [Retention](guarantees.md#retention))",
     ),
     Setting("SANDBOX_LANES_SESSION_TIMEOUT_MS", "10000", "consumer group session timeout"),
     Setting("SANDBOX_LANES_SHUTDOWN_TIMEOUT_S", "30", "bound on graceful shutdown after SIGTERM"),
@@ -149,7 +162,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "SANDBOX_LANES_TRANSACTION_TIMEOUT_MS",
         "15000",
-        "Kafka transaction timeout (transactions hold decisions and results, never a driver call)",
+        "Kafka transaction timeout (a transaction holds decisions and results, never a driver call)",
     ),
     Setting(
         "SANDBOX_LANES_DRIVER_CONCURRENCY",
@@ -157,36 +170,50 @@ SETTINGS: tuple[Setting, ...] = (
         "driver calls running at once across sandboxes (one sandbox's calls run in order)",
     ),
     Setting("SANDBOX_LANES_TEARDOWN_TIMEOUT_S", "60", "bound on one driver teardown"),
-    Setting("SANDBOX_LANES_REAP_INTERVAL_S", "300", "seconds between reaper passes in the pod (0 = off)"),
+    Setting("SANDBOX_LANES_REAP_INTERVAL_S", "300", "seconds between the pod's reaper passes; `0` = off"),
+    Setting("SANDBOX_LANES_REAP_GRACE_S", "600", "an orphan (no state) is reaped only when older than this"),
     Setting(
-        "SANDBOX_LANES_REAP_GRACE_S", "600", "age before a sandbox no execution state references is reaped"
+        "SANDBOX_PROVISIONER_TYPE",
+        "",
+        "driver: empty (lane disabled), `local-process`, `docker`, `kubernetes` (extensions: "
+        "entry-point group `sandbox_lanes.drivers`; the in-memory test driver `memory` is "
+        "registered by the dev harness only, never by the product)",
     ),
-    Setting("SANDBOX_PROVISIONER_TYPE", "", "driver: '' (lane disabled), local-process, docker, kubernetes"),
-    Setting("STIGMER_ACTIVITY_ROUTING", ROUTING_GLOBAL, "agent routing: global or session"),
+    Setting("STIGMER_ACTIVITY_ROUTING", ROUTING_GLOBAL, "agent routing: `global` or `session`"),
     Setting(
         "STIGMER_DEFAULT_EXECUTION_TARGET",
         DEFAULT_EXECUTION_TARGET_LOCAL,
-        "UNSPECIFIED session target: local or cloud",
+        "what an UNSPECIFIED session target means: `local` or `cloud` (other values are kept, = "
+        "local, with a start-up warning)",
     ),
     Setting(
-        "STIGMER_WORKFLOW_ACTIVITY_ROUTING", WORKFLOW_ROUTING_GLOBAL, "workflow routing: global or execution"
+        "STIGMER_WORKFLOW_ACTIVITY_ROUTING",
+        WORKFLOW_ROUTING_GLOBAL,
+        "workflow routing: `global` or `execution`",
     ),
     Setting(
         "STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET",
         DEFAULT_EXECUTION_TARGET_LOCAL,
-        "UNSPECIFIED workflow target",
+        "what an UNSPECIFIED workflow target means",
     ),
     Setting("TEMPORAL_AGENT_EXECUTION_RUNNER_TASK_QUEUE", "stigmer_runner", "agent global runner queue"),
     Setting(
         "TEMPORAL_WORKFLOW_EXECUTION_RUNNER_TASK_QUEUE", "stigmer_runner", "workflow global runner queue"
     ),
-    Setting("STIGMER_SANDBOX_BACKEND_ENDPOINT", "", "server URL as reachable from inside a sandbox"),
+    Setting(
+        "STIGMER_SANDBOX_BACKEND_ENDPOINT",
+        "",
+        "server URL as reachable from inside a sandbox (required by docker, kubernetes)",
+    ),
     Setting(
         "STIGMER_SANDBOX_TEMPORAL_ADDRESS",
         "",
-        "Temporal host:port from inside a sandbox (→ TEMPORAL_HOST_PORT → localhost:7233)",
+        "Temporal host:port from inside a sandbox",
+        doc_default="`TEMPORAL_HOST_PORT`, else `localhost:7233`",
     ),
-    Setting("STIGMER_SANDBOX_RUNNER_IMAGE", "ghcr.io/stigmer/runner:latest", "image for docker/kubernetes"),
+    Setting(
+        "STIGMER_SANDBOX_RUNNER_IMAGE", "ghcr.io/stigmer/runner:latest", "image for docker and kubernetes"
+    ),
     Setting("STIGMER_SANDBOX_RUNNER_COMMAND", "stigmer-runner", "executable for local-process"),
     Setting("STIGMER_SANDBOX_K8S_NAMESPACE", "stigmer-sandboxes", "the one shared sandbox namespace"),
     Setting("STIGMER_SANDBOX_MCP_PUBLIC_ENDPOINT", "", "public MCP address given to runners"),
@@ -204,36 +231,50 @@ SETTINGS: tuple[Setting, ...] = (
         "STIGMER_SANDBOX_RUNNER_ENV", "", "comma-separated env names passed to runners as plain settings"
     ),
     Setting(
-        "STIGMER_SANDBOX_RUNNER_SECRETS", "", "comma-separated env names passed through the secret channel"
+        "STIGMER_SANDBOX_RUNNER_SECRETS",
+        "",
+        "comma-separated env names passed through the driver's secret channel",
     ),
-    Setting("TEMPORAL_NAMESPACE", "default", "passed to runners as TEMPORAL_NAMESPACE"),
+    Setting("TEMPORAL_NAMESPACE", "default", "passed to runners as `TEMPORAL_NAMESPACE`"),
     Setting(
         "STIGMER_RUNNER_TOKEN_KEY", "", "base64 32-byte HS256 key; unset = token-less launches", secret=True
     ),
-    Setting("SANDBOX_LANES_DRIVER_OPTIONS", "", "driver knobs as k=v,k=v (see the driver tables)"),
+    Setting(
+        "SANDBOX_LANES_DRIVER_OPTIONS",
+        "",
+        "driver knobs as `k=v,k=v` (each driver's table in [drivers.md](drivers.md))",
+    ),
     Setting(
         "SANDBOX_LANES_CREDENTIAL_PROVIDER",
         "",
-        "credential provider by entry-point name (group sandbox_lanes.credentials); empty = the "
-        "execution-scoped HS256 provider",
+        "an installed credential provider by its entry-point name (group "
+        "`sandbox_lanes.credentials`, a factory `(environ, logger) → provider`; with "
+        "`mint_sandbox_credential` it decides every mint); empty = the execution-scoped HS256 "
+        "provider",
     ),
     Setting(
-        "STIGMER_RUNNER_TOKEN_KEY_FILE", "", "read STIGMER_RUNNER_TOKEN_KEY from this file", pod_only=True
+        "STIGMER_RUNNER_TOKEN_KEY_FILE", "", "read `STIGMER_RUNNER_TOKEN_KEY` from this file", pod_only=True
     ),
-    Setting("SANDBOX_LANES_HTTP_HOST", "0.0.0.0", "address of the /metrics, /healthz, /readyz server"),
-    Setting("SANDBOX_LANES_HTTP_PORT", "8080", "port of the HTTP server (0 = no HTTP server)"),
+    Setting("SANDBOX_LANES_HTTP_HOST", "0.0.0.0", "address of the `/metrics`, `/healthz`, `/readyz` server"),
+    Setting("SANDBOX_LANES_HTTP_PORT", "8080", "its port; `0` = no HTTP server"),
     Setting(
         "SANDBOX_LANES_STALL_SECONDS",
         "30",
-        "the loop is not alive (/healthz 503) after this long without a turn",
+        "the loop counts as stalled (`/healthz` 503) after this long without a turn; commits "
+        "failing this long make `/readyz` 503",
     ),
-    Setting("SANDBOX_LANES_LOG_LEVEL", "info", "debug, info, warning or error (--log-level wins)"),
-    Setting("SANDBOX_LANES_LOG_FORMAT", "auto", "auto (human on a terminal, else JSON), json or human"),
-    Setting("SANDBOX_LANES_CONFIG_FILE", "", "optional YAML or .env file of these variables (env wins)"),
+    Setting("SANDBOX_LANES_LOG_LEVEL", "info", "`debug`, `info`, `warning`, `error` (`--log-level` wins)"),
+    Setting("SANDBOX_LANES_LOG_FORMAT", "auto", "`auto` (human on a terminal, else JSON), `json`, `human`"),
+    Setting(
+        "SANDBOX_LANES_CONFIG_FILE",
+        "",
+        "optional YAML or `.env` file of these variables (`--config FILE`); the environment wins",
+    ),
     Setting(
         "SANDBOX_LANES_REVISION",
         "",
-        "source revision of this build (set by the image; the revision label of sandbox_lanes_build_info)",
+        "the source revision of the build (the image sets it from its `REVISION` build argument); "
+        "the `revision` label of `sandbox_lanes_build_info`",
     ),
 )
 
