@@ -48,7 +48,7 @@ from drivers.contract import (
     ScopedMethods,
 )
 from drivers.naming import sandbox_base_name
-from drivers.runner_env import build_runner_env, inheritable_parent_env
+from drivers.runner.env import build_runner_env, inheritable_parent_env
 
 DRIVER_NAME: Final = "local-process"
 DEFAULT_STATE_DIR: Final = "~/.stigmer/sandboxes"

@@ -20,10 +20,10 @@ ENTRY_POINT_GROUP = "sandbox_lanes.drivers"
 #: DD-002's isolation ladder, weakest to strongest; values are "module:factory".
 BUILT_IN_SANDBOX_PROVISIONER_TYPES: Mapping[str, str] = {
     "local-process": "drivers.local_process:new_local_process_provisioner",
-    "docker": "drivers.docker_driver:new_docker_provisioner",
-    "kubernetes": "drivers.kubernetes_driver:new_kubernetes_provisioner",
+    "docker": "drivers.docker:new_docker_provisioner",
+    "kubernetes": "drivers.kubernetes.driver:new_kubernetes_provisioner",
     # Upstream's Era D replaced kubernetes with agent-sandbox; both are kept here (README: Deviations).
-    "agent-sandbox": "drivers.agent_sandbox_driver:new_agent_sandbox_provisioner",
+    "agent-sandbox": "drivers.agent_sandbox.driver:new_agent_sandbox_provisioner",
 }
 
 

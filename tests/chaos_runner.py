@@ -1,4 +1,4 @@
-"""The chaos run's stand-in runner: like ``drivers.stub_runner``, but some queues ignore SIGTERM.
+"""The chaos run's stand-in runner: like ``consumers.tools.stub_runner``, but some queues ignore SIGTERM.
 
 The queues listed (one a line) in the file named by ``CHAOS_STUBBORN_FILE`` ignore SIGTERM, so the
 driver's teardown outlasts ``SANDBOX_LANES_TEARDOWN_TIMEOUT_S``: a real ``SandboxTeardownFailed`` with

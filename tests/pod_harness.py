@@ -31,7 +31,7 @@ from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
 
 _ids = itertools.count(1)
 ROOT = Path(__file__).resolve().parents[1]
-STUB_RUNNER = f"{shlex.quote(sys.executable)} -m drivers.stub_runner"
+STUB_RUNNER = f"{shlex.quote(sys.executable)} -m consumers.tools.stub_runner"
 
 
 def unique_env(bootstrap: str, tmp: Path, **overrides: str) -> dict[str, str]:

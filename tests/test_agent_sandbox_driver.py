@@ -26,16 +26,16 @@ from kubernetes import client
 from consumers.ops.driver_background import start_driver_background
 from consumers.ops.settings import load_settings
 from consumers.tools.reaper import start_periodic_reaper
-from drivers.agent_sandbox_driver import (
+from drivers.agent_sandbox.driver import (
     LOG_ENSURED,
     LOG_LEFT_ALONE,
     NOT_INSTALLED,
     AgentSandboxProvisioner,
     new_agent_sandbox_provisioner,
 )
-from drivers.agent_sandbox_manifests import GROUP, PLURAL, VERSION, workspace_claim_name
+from drivers.agent_sandbox.manifests import GROUP, PLURAL, VERSION, workspace_claim_name
 from drivers.contract import SandboxCollision, SandboxEnvironment, SandboxError
-from drivers.kubernetes_manifests import secret_name
+from drivers.kubernetes.manifests import secret_name
 from drivers.naming import sandbox_base_name
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from drivers.agent_sandbox_idle import (
+from drivers.agent_sandbox.idle import (
     SUSPEND_AFTER_ENV,
     SWEEP_INTERVAL_ENV,
     IdleConfig,
@@ -17,7 +17,7 @@ from drivers.agent_sandbox_idle import (
     idle_config,
     should_suspend,
 )
-from drivers.agent_sandbox_manifests import owned_secret_manifest, sandbox_manifest, wake_patch
+from drivers.agent_sandbox.manifests import owned_secret_manifest, sandbox_manifest, wake_patch
 from drivers.contract import DriverConfig, SandboxEnvironment
 from drivers.naming import sandbox_base_name
 
@@ -236,7 +236,7 @@ def test_the_wake_is_one_json_patch_of_add_ops_with_this_servers_template() -> N
 def test_the_warm_template_holds_no_secret_and_no_per_sandbox_value() -> None:
     import json
 
-    from drivers.agent_sandbox_warm import pool_manifest, pool_name, template_manifest
+    from drivers.agent_sandbox.warm import pool_manifest, pool_name, template_manifest
 
     template = template_manifest(CONFIG)
     text = json.dumps(template)
@@ -258,7 +258,7 @@ def test_the_warm_template_holds_no_secret_and_no_per_sandbox_value() -> None:
 
 
 def test_a_claim_carries_the_queue_as_an_annotation_and_no_secret() -> None:
-    from drivers.agent_sandbox_warm import claim_manifest, pool_name
+    from drivers.agent_sandbox.warm import claim_manifest, pool_name
 
     claim = claim_manifest(CONFIG, "workflow", "wfx_1", SandboxEnvironment("wfexec:wfx_1", "tok.en.value"))
     assert claim["metadata"]["name"] == sandbox_base_name("workflow", "wfx_1")
@@ -270,7 +270,7 @@ def test_a_claim_carries_the_queue_as_an_annotation_and_no_secret() -> None:
 
 
 def test_the_kept_assignment_is_a_secret_owned_by_the_claim_holding_exactly_the_assignment_file() -> None:
-    from drivers.agent_sandbox_warm import assignment_file, assignment_secret_manifest
+    from drivers.agent_sandbox.warm import assignment_file, assignment_secret_manifest
 
     env = SandboxEnvironment("wfexec:wfx_1", "tok.en.value")
     data = assignment_file(CONFIG, env)
@@ -292,7 +292,7 @@ def test_the_kept_assignment_is_a_secret_owned_by_the_claim_holding_exactly_the_
 
 
 def test_warm_assignment_defaults_to_async_and_refuses_an_unknown_mode_at_boot(tmp_path: Any) -> None:
-    from drivers.agent_sandbox_driver import new_agent_sandbox_provisioner
+    from drivers.agent_sandbox.driver import new_agent_sandbox_provisioner
 
     kubeconfig = tmp_path / "kubeconfig"  # read at construction; nothing connects
     kubeconfig.write_text(
@@ -316,7 +316,7 @@ def test_warm_assignment_defaults_to_async_and_refuses_an_unknown_mode_at_boot(t
 def test_the_assignment_file_round_trips_awkward_values_through_a_real_shell(tmp_path: Any) -> None:
     import subprocess
 
-    from drivers.agent_sandbox_warm import assignment_file
+    from drivers.agent_sandbox.warm import assignment_file
 
     awkward = 'a\'b "c" $HOME `x` \\ end'
     config = DriverConfig(**{**CONFIG.__dict__, "runner_secret_env": {"ANTHROPIC_API_KEY": awkward}})

@@ -515,14 +515,14 @@ def test_the_option_table_covers_every_key_a_driver_reads() -> None:
 
     sources = {
         "local-process": ["local_process.py"],
-        "docker": ["docker_driver.py"],
-        "kubernetes": ["kubernetes_driver.py", "kubernetes_manifests.py"],
+        "docker": ["docker.py"],
+        "kubernetes": ["kubernetes/driver.py", "kubernetes/manifests.py"],
         "agent-sandbox": [
-            "kubernetes_driver.py",
-            "kubernetes_manifests.py",
-            "agent_sandbox_driver.py",
-            "agent_sandbox_manifests.py",
-            "agent_sandbox_idle.py",
+            "kubernetes/driver.py",
+            "kubernetes/manifests.py",
+            "agent_sandbox/driver.py",
+            "agent_sandbox/manifests.py",
+            "agent_sandbox/idle.py",
         ],
     }
     read = re.compile(r"""(?:options|\bo)(?:\.get\(|\[)\s*"([a-z_]+)"|"([a-z_]+)" in o\b""")
@@ -532,7 +532,7 @@ def test_the_option_table_covers_every_key_a_driver_reads() -> None:
         if driver in ("kubernetes", "agent-sandbox"):
             keys |= {"cpu_request", "memory_request", "cpu_limit", "memory_limit"}  # DEFAULT_RESOURCES
         if driver == "agent-sandbox":
-            keys |= {"suspend_after_seconds", "sweep_interval_seconds"}  # agent_sandbox_idle's constants
+            keys |= {"suspend_after_seconds", "sweep_interval_seconds"}  # agent_sandbox.idle's constants
         assert keys <= BUILT_IN_OPTION_KEYS[driver], (driver, keys - BUILT_IN_OPTION_KEYS[driver])
 
 

@@ -20,7 +20,7 @@ from drivers.contract import (
     SandboxError,
     SandboxProvisioner,
 )
-from drivers.docker_driver import (
+from drivers.docker import (
     BACKEND_ENDPOINT_REQUIRED,
     LOG_LEFT_ALONE,
     TEMPORAL_ADDRESS_REQUIRED,
@@ -454,7 +454,7 @@ async def test_a_missing_image_that_cannot_be_pulled_is_a_sandbox_error(make: Fa
 def test_the_defaults_are_upstreams_docker_run_no_network_limit_or_capability_change() -> None:
     """Upstream's `docker run` sets no network, limit or capability: a runner reaches the backend and
     Temporal it is told to use. Hardening is opt-in (the options above)."""
-    from drivers.docker_driver import DockerSettings
+    from drivers.docker import DockerSettings
 
     s = DockerSettings.from_config(_config())
     assert (s.network, s.memory_bytes, s.nano_cpus, s.pids_limit, s.hardened, s.read_only) == (

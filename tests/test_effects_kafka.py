@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+from harness.memory_driver import MemoryProvisioner
 
 from consumers.ops.settings import load_settings
-from drivers.memory import MemoryProvisioner
 from events.sandbox_lanes.v1 import outcomes_pb2
 from tests.pod_harness import (
     PodProcess,

@@ -37,8 +37,8 @@ from prometheus_client import CollectorRegistry
 
 from consumers.ops.settings import load_settings
 from consumers.runtime.metrics import PodMetrics
-from drivers.agent_sandbox_manifests import GROUP, PLURAL, VERSION
-from drivers.agent_sandbox_warm import ANNOTATION_ASSIGNED, CLAIMS, EXT_GROUP, EXT_VERSION
+from drivers.agent_sandbox.manifests import GROUP, PLURAL, VERSION
+from drivers.agent_sandbox.warm import ANNOTATION_ASSIGNED, CLAIMS, EXT_GROUP, EXT_VERSION
 from drivers.naming import sandbox_base_name
 from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2
 from tests.fixtures.dockerd import POD_IMAGE

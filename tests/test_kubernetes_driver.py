@@ -33,14 +33,14 @@ from drivers.contract import (
     SandboxError,
     SandboxScope,
 )
-from drivers.kubernetes_driver import (
+from drivers.kubernetes.driver import (
     BACKEND_ENDPOINT_REQUIRED,
     LOG_LEFT_ALONE,
     TEMPORAL_ADDRESS_REQUIRED,
     KubernetesProvisioner,
     new_kubernetes_provisioner,
 )
-from drivers.kubernetes_manifests import pvc_name, secret_name
+from drivers.kubernetes.manifests import pvc_name, secret_name
 from drivers.naming import sandbox_base_name, sandbox_labels
 from drivers.registry import new_sandbox_provisioner
 from tests.collisions import FIRST, SECOND, assert_collide

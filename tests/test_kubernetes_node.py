@@ -24,8 +24,8 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.stream import stream
 
 from drivers.contract import DriverConfig, SandboxEnvironment
-from drivers.kubernetes_driver import KubernetesProvisioner, new_kubernetes_provisioner
-from drivers.kubernetes_manifests import pvc_name, secret_name
+from drivers.kubernetes.driver import KubernetesProvisioner, new_kubernetes_provisioner
+from drivers.kubernetes.manifests import pvc_name, secret_name
 from drivers.naming import LABEL_SANDBOX_ID, sandbox_base_name
 
 pytestmark = pytest.mark.kubernetes

@@ -7,9 +7,9 @@ import re
 from typing import cast
 
 import pytest
+from harness.memory_driver import MemoryProvisioner
 
 from drivers.contract import SCOPES, DriverConfig, SandboxProvisioner, SandboxProvisionerFactory, SandboxScope
-from drivers.memory import MemoryProvisioner
 from drivers.naming import (
     LABEL_MANAGED_BY,
     LABEL_SANDBOX_ID,

@@ -27,6 +27,7 @@ import aiohttp
 import pytest
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from harness.memory_driver import MemoryProvisioner
 from prometheus_client.parser import text_string_to_metric_families
 
 from consumers.ops.compose import compose
@@ -35,7 +36,6 @@ from consumers.ops.settings import load_settings
 from consumers.runtime.topology import ensure_topics
 from consumers.tools.embedded_broker import free_port
 from drivers.contract import SandboxEnvironment, SandboxProbeState, SandboxScope
-from drivers.memory import MemoryProvisioner
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
 from tests.pod_harness import (

@@ -21,7 +21,7 @@ from harness.kube_node import RUNNER_IMAGE, KubeNode
 from consumers.ops.settings import load_settings
 from consumers.tools.reaper import start_periodic_reaper
 from drivers.contract import SandboxEnvironment
-from drivers.kubernetes_driver import new_kubernetes_provisioner
+from drivers.kubernetes.driver import new_kubernetes_provisioner
 from drivers.naming import LABEL_MANAGED_BY, LABEL_SANDBOX_ID, sandbox_base_name
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2

@@ -25,7 +25,7 @@ from consumers.lanes.commands import LaneConfig
 from consumers.ops.settings import load_settings
 from consumers.tools.reaper import plan_reap, reaped_event, start_periodic_reaper
 from drivers.contract import ManagedSandbox, SandboxEnvironment, SandboxScope
-from drivers.docker_driver import new_docker_provisioner
+from drivers.docker import new_docker_provisioner
 from drivers.local_process import new_local_process_provisioner
 from drivers.naming import LABEL_SANDBOX_ID, sandbox_base_name
 from events.codec import new_meta
@@ -179,9 +179,10 @@ def test_plan_reap_rules() -> None:
 async def test_a_candidate_gone_since_the_listing_is_not_reaped_again() -> None:
     """The listing precedes the state read, so a lane's teardown can remove a candidate in between:
     nothing is deprovisioned and no SandboxReaped is written for it. A live one is removed."""
+    from harness.memory_driver import MemoryProvisioner
+
     from consumers.runtime.topology import Topics
     from consumers.tools.reaper import Reaper, ReapResult
-    from drivers.memory import MemoryProvisioner
 
     class Outcomes:
         def __init__(self) -> None:
@@ -299,7 +300,7 @@ async def test_reap_cli_with_the_local_process_driver(
         await driver.ensure(scope, sid, SandboxEnvironment(task_queue=queue))  # type: ignore[arg-type]
     # A foreign process: same runner, same workspace tree, no record of ours.
     foreign = subprocess.Popen(
-        [sys.executable, "-m", "drivers.stub_runner"],
+        [sys.executable, "-m", "consumers.tools.stub_runner"],
         env={
             **os.environ,
             "STIGMER_TASK_QUEUE": f"foreign:{RUN}",

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from harness.memory_driver import MemoryProvisioner
 
 from consumers.ops.compose import compose
 from consumers.ops.settings import load_settings
@@ -24,7 +25,6 @@ from consumers.runtime.topology import (
     create_missing,
     plan_topics,
 )
-from drivers.memory import MemoryProvisioner
 from tests.pod_harness import ROOT, running_pod, unique_env
 
 pytestmark = pytest.mark.kafka

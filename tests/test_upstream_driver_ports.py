@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import posixpath
 
-from drivers import docker_driver, kubernetes_manifests
+import drivers.docker as docker_driver
+import drivers.kubernetes.manifests as kubernetes_manifests
 from drivers.contract import DriverConfig, SandboxEnvironment
-from drivers.runner_env import build_runner_env
-from drivers.runner_launch import (
+from drivers.runner.env import build_runner_env
+from drivers.runner.launch import (
     RUNNER_HOME,
     RUNNER_MAIN,
     RUNNER_NODE,

@@ -165,8 +165,9 @@ async def test_a_transaction_the_broker_timed_out_fences_the_producer_and_the_po
     record again and keeps deciding new ones: one outcome each, commits succeed again."""
     import logging
 
+    from harness.memory_driver import MemoryProvisioner
+
     from consumers.runtime.sink import TransactionalSink
-    from drivers.memory import MemoryProvisioner
     from tests.pod_harness import running_pod
 
     caplog.set_level(logging.INFO, logger="sandbox_lanes")

@@ -31,7 +31,7 @@ from consumers.runtime.kafka_security import KafkaSecurity, KafkaSecurityError
 from consumers.runtime.sink import Guarantee
 from consumers.runtime.topology import Topics
 from drivers.contract import SANDBOX_DRIVER_OWNED_RUNNER_ENV, DriverConfig
-from drivers.runner_env import is_temporal_connection_name
+from drivers.runner.env import is_temporal_connection_name
 
 
 class ConfigError(ValueError):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from consumers.lanes.constants import TERMINAL_WORKFLOW_PHASES
-from drivers.agent_sandbox_idle import SessionActivity
+from drivers.agent_sandbox.idle import SessionActivity
 from events.sandbox_lanes.v1 import common_pb2
 
 if TYPE_CHECKING:

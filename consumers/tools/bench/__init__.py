@@ -16,7 +16,7 @@ Figures (every one bounded, repeated ``--repeats`` times, reported as median and
    process (its peak RSS is the restore's own, from ``VmHWM``); beside it, Quix Streams restoring the
    same number of keys (up to 100k) from its changelog (``peers_restore``, the ``[bench]`` extra).
 6. ``drivers``  — ensure (absent → running) and re-ensure (running → fast path) latency of the
-   local-process driver (``drivers/stub_runner.py``) and the docker driver (a private dockerd from
+   local-process driver (``consumers/tools/stub_runner.py``) and the docker driver (a private dockerd from
    ``devtools/harness/dockerd.py`` with the imported busybox image). A driver that cannot start is reported as
    an error in its row; the other figures still run.
 7. ``burst``    — time to sandbox: N workflow creates at once through the pod with the memory driver

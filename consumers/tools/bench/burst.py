@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import created_event, lane_env, pct, running_pod
+from consumers.tools.bench.common import created_event, lane_env, memory_provisioner, pct, running_pod
 from consumers.tools.bench.drivers import docker_engine
 
 logger = logging.getLogger("sandbox_lanes.bench")
@@ -175,7 +175,7 @@ def _raw_docker(host: str, image: str, n: int, concurrency: int, show: bool) -> 
     """The engine's own limit: N containers created and started, then removed, at the same concurrency."""
     import docker
 
-    from drivers.docker_driver import CONTAINER_USER, CONTAINER_WORKDIR, RUNNER_COMMAND, RUNNER_ENTRYPOINT
+    from drivers.docker import CONTAINER_USER, CONTAINER_WORKDIR, RUNNER_COMMAND, RUNNER_ENTRYPOINT
 
     client = docker.DockerClient(base_url=host, max_pool_size=concurrency)
     tag = uuid.uuid4().hex[:6]
@@ -226,8 +226,6 @@ def _raw_docker(host: str, image: str, n: int, concurrency: int, show: bool) -> 
 
 async def measure_burst(args: Any, bootstrap: str, show: bool) -> dict[str, Any]:
     """Both bursts; a driver that cannot run reports its error in its row."""
-    from drivers.memory import MemoryProvisioner
-
     out: dict[str, Any] = {}
     concurrency = str(args.burst_concurrency)
 
@@ -240,7 +238,7 @@ async def measure_burst(args: Any, bootstrap: str, show: bool) -> dict[str, Any]
 
     latency = float(args.burst_latency_ms)
     try:
-        memory = MemoryProvisioner(ensure_latency_ms=latency, teardown_latency_ms=latency)
+        memory = memory_provisioner(ensure_latency_ms=latency, teardown_latency_ms=latency)
         result = await _pod_burst(
             env(f"burst-mem-{uuid.uuid4().hex[:6]}"), memory, args.burst_n, show, "memory burst", 600
         )
@@ -280,7 +278,7 @@ async def measure_burst(args: Any, bootstrap: str, show: bool) -> dict[str, Any]
 
 async def _docker_burst(args: Any, env: dict[str, str], show: bool, n: int) -> dict[str, Any]:
     from drivers.contract import DriverConfig
-    from drivers.docker_driver import new_docker_provisioner
+    from drivers.docker import new_docker_provisioner
 
     loop = asyncio.get_running_loop()
     async with docker_engine(args) as (host, image, _private):

@@ -303,6 +303,21 @@ def bench_lane_config() -> Any:
     )
 
 
+def memory_provisioner(**options: float) -> Any:
+    """The dev harness's counting in-memory driver (``harness.memory_driver``), selected by name as the
+    pod selects a driver: the harness registers it (entry point), so the bench never imports it."""
+    from drivers.contract import DriverConfig
+    from drivers.registry import UnknownProvisionerError, new_sandbox_provisioner
+
+    config = DriverConfig(options={name: str(value) for name, value in options.items()})
+    try:
+        return new_sandbox_provisioner("memory", config, logger)
+    except UnknownProvisionerError as exc:
+        raise RuntimeError(
+            "the in-memory driver needs the dev harness (a checkout set up by scripts/bootstrap.sh)"
+        ) from exc
+
+
 # --- 2. the pod ---------------------------------------------------------------------------------
 
 
@@ -313,13 +328,12 @@ async def running_pod(
     """A pod in this process (the counting memory driver unless given one), ready, stopped on exit."""
     from consumers.ops.compose import compose
     from consumers.ops.settings import load_settings
-    from drivers.memory import MemoryProvisioner
 
     settings = load_settings(env)
     # The pod never creates its inputs: the bench owns them here, as a producer would.
     await create_topics(settings.bootstrap, settings.topics, settings.partitions)
     composed = compose(
-        settings, logging.getLogger("sandbox_lanes"), provisioner=provisioner or MemoryProvisioner()
+        settings, logging.getLogger("sandbox_lanes"), provisioner=provisioner or memory_provisioner()
     )
     pod = composed.pod
     if max_batch is not None:

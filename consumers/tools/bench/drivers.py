@@ -75,7 +75,7 @@ async def _local_process(args: argparse.Namespace, show: bool) -> dict[str, Any]
         config = DriverConfig(
             backend_endpoint="http://127.0.0.1:7234",
             temporal_address="127.0.0.1:7233",
-            runner_command=f"{shlex.quote(sys.executable)} -m drivers.stub_runner",
+            runner_command=f"{shlex.quote(sys.executable)} -m consumers.tools.stub_runner",
             options={"state_dir": state_dir, "grace_seconds": "5"},
         )
         provisioner = new_local_process_provisioner(config, logger)
@@ -124,7 +124,7 @@ async def docker_engine(args: argparse.Namespace) -> AsyncIterator[tuple[str, st
 
 async def _docker(args: argparse.Namespace, show: bool) -> dict[str, Any]:
     from drivers.contract import DriverConfig
-    from drivers.docker_driver import new_docker_provisioner
+    from drivers.docker import new_docker_provisioner
 
     started = time.perf_counter()
     async with docker_engine(args) as (host, image, private):

@@ -129,8 +129,8 @@ async def kubernetes_burst(
     args: Any, make_env: MakeEnv, show: bool, n: int, pod_burst: PodBurst
 ) -> dict[str, Any]:
     """The kubernetes burst, then agent-sandbox cold and warm, on one cluster in one run."""
-    from drivers.agent_sandbox_driver import new_agent_sandbox_provisioner
-    from drivers.kubernetes_driver import new_kubernetes_provisioner
+    from drivers.agent_sandbox.driver import new_agent_sandbox_provisioner
+    from drivers.kubernetes.driver import new_kubernetes_provisioner
 
     async with kube_cluster(args) as (kubeconfig, image, cluster, node):
         out = await _running_burst(
@@ -259,7 +259,7 @@ async def _warm_burst(
     at a time on the refilled pool (what a single user waits)."""
     from kubernetes import client
 
-    from drivers.agent_sandbox_driver import new_agent_sandbox_provisioner
+    from drivers.agent_sandbox.driver import new_agent_sandbox_provisioner
 
     async with _namespace(kubeconfig) as (api, namespace):
         provisioner = new_agent_sandbox_provisioner(

@@ -141,15 +141,14 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
     from aiokafka import AIOKafkaProducer
 
     from consumers.ops.settings import load_settings
-    from consumers.tools.bench.common import running_pod
-    from drivers.memory import MemoryProvisioner
+    from consumers.tools.bench.common import memory_provisioner, running_pod
 
     env: dict[str, str] = spec["env"]
     n: int = spec["wave_size"]
     retention_s: int = spec["retention_s"]
     topics = load_settings(env).topics
     loop = asyncio.get_running_loop()
-    provisioner = MemoryProvisioner()
+    provisioner = memory_provisioner()
     wave_timeout = max(120.0, n / 50)
     async with running_pod(env, provisioner=provisioner) as pod:
         producer = AIOKafkaProducer(

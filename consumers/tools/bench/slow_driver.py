@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import delete_topics, lane_env, pct, summary
+from consumers.tools.bench.common import delete_topics, lane_env, memory_provisioner, pct, summary
 from consumers.tools.bench.latency import latency_run
 from consumers.tools.bench.peers_figure import SYSTEMS as PEER_SYSTEMS
 from consumers.tools.bench.peers_figure import installed, peer_internal_topics
@@ -48,7 +48,6 @@ def latency_range(text: str) -> tuple[float, float]:
 
 async def measure_slow_driver(args: argparse.Namespace, bootstrap: str, show: bool) -> dict[str, Any]:
     from consumers.ops.settings import load_settings
-    from drivers.memory import MemoryProvisioner
 
     low, high = args.slow_latency_ms
     n, seed, timeout = args.slow_events, args.slow_seed, args.slow_timeout_s
@@ -65,7 +64,7 @@ async def measure_slow_driver(args: argparse.Namespace, bootstrap: str, show: bo
                       enabled=show) as bar:  # fmt: skip
             for r in range(args.repeats):
                 for system, module in systems:  # interleaved, as figure 8
-                    provisioner = MemoryProvisioner(
+                    provisioner = memory_provisioner(
                         ensure_latency_ms=low, latency_jitter_ms=high - low, seed=seed
                     )
                     extra = ("--ensure-latency-ms", f"{low},{high}", "--seed", str(seed))

@@ -100,7 +100,7 @@ from drivers.contract import (
     SandboxScope,
     ScopedMethods,
 )
-from drivers.kubernetes_manifests import (
+from drivers.kubernetes.manifests import (
     MANAGED_SELECTOR,
     PERSISTENT_SCOPES,
     deployment_manifest,
@@ -117,7 +117,7 @@ from drivers.naming import (
     label_owner,
     sandbox_base_name,
 )
-from drivers.runner_env import scrub
+from drivers.runner.env import scrub
 
 # The config loaders carry no annotations; bind them as Any for strict typing.
 _load_kube_config: Any = k8s_config.load_kube_config

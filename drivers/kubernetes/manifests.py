@@ -20,9 +20,9 @@ from drivers.naming import (
     sandbox_base_name,
     sandbox_labels,
 )
-from drivers.runner_env import TOKEN_ENV, RunnerEnv, build_runner_env
-from drivers.runner_launch import RUNNER_HOME as LAUNCH_HOME
-from drivers.runner_launch import runner_command
+from drivers.runner.env import TOKEN_ENV, RunnerEnv, build_runner_env
+from drivers.runner.launch import RUNNER_HOME as LAUNCH_HOME
+from drivers.runner.launch import runner_command
 
 CONTAINER_NAME: Final = "runner"
 RUNNER_COMMAND: Final[tuple[str, ...]] = tuple(runner_command())
@@ -64,7 +64,7 @@ def pvc_name(base: str) -> str:
 
 
 def runner_env(config: DriverConfig, env: SandboxEnvironment) -> RunnerEnv:
-    """The shared runner env contract (``drivers.runner_env``), rooted at ``/workspace``."""
+    """The shared runner env contract (``drivers.runner.env``), rooted at ``/workspace``."""
     return build_runner_env(config, env, workspace_dir=WORKSPACE_DIR, home=RUNNER_HOME)
 
 

@@ -30,9 +30,9 @@ import json
 import shlex
 from typing import Any, Final
 
-from drivers.agent_sandbox_manifests import runner_container
+from drivers.agent_sandbox.manifests import runner_container
 from drivers.contract import DriverConfig, SandboxEnvironment, SandboxScope
-from drivers.kubernetes_manifests import (
+from drivers.kubernetes.manifests import (
     PLAIN_ORDER,
     TERMINATION_GRACE_SECONDS,
     WORKSPACE_DIR,
@@ -41,7 +41,7 @@ from drivers.kubernetes_manifests import (
     sandbox_secret,
 )
 from drivers.naming import LABEL_MANAGED_BY, MANAGED_BY_VALUE, sandbox_base_name, sandbox_labels
-from drivers.runner_launch import runner_command
+from drivers.runner.launch import runner_command
 
 EXT_GROUP: Final = "extensions.agents.x-k8s.io"
 EXT_VERSION: Final = "v1beta1"

@@ -2,7 +2,7 @@
 
 Each sandbox is one ``Sandbox`` custom resource of kubernetes-sigs/agent-sandbox
 (``agents.x-k8s.io/v1beta1``) in the shared namespace, plus its Secret ``<base>-env`` owned by
-the Sandbox (``drivers.agent_sandbox_manifests``). The controller makes the pod (and, for a
+the Sandbox (``drivers.agent_sandbox.manifests``). The controller makes the pod (and, for a
 session, the ``workspace-<base>`` claim from the volumeClaimTemplate).
 
 ensure, serialized per name (one lock per Sandbox name in this process):
@@ -28,7 +28,7 @@ owner, and is never written; a deprovision leaves it alone and logs it (``LOG_LE
 reports it ``absent``.
 
 The idle sweep (``start_background``) suspends Running session Sandboxes idle for the window
-(``drivers.agent_sandbox_idle``), every interval. It never deletes. The session's activity comes
+(``drivers.agent_sandbox.idle``), every interval. It never deletes. The session's activity comes
 from the pod's own state (``SessionActivityReader``); a session this pod does not own is left to
 the pod that does.
 
@@ -49,14 +49,14 @@ import urllib3
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
-from drivers.agent_sandbox_idle import (
+from drivers.agent_sandbox.idle import (
     IdleConfig,
     SandboxView,
     SessionActivity,
     idle_config,
     should_suspend,
 )
-from drivers.agent_sandbox_manifests import (
+from drivers.agent_sandbox.manifests import (
     GROUP,
     PLURAL,
     RUNNING,
@@ -66,8 +66,8 @@ from drivers.agent_sandbox_manifests import (
     sandbox_manifest,
     wake_patch,
 )
-from drivers.agent_sandbox_warm import CLAIMS, EXT_GROUP, EXT_VERSION, WARM_SCOPES
-from drivers.agent_sandbox_warm_pool import ASSIGNMENT_MODES, DEFAULT_ADOPT_TIMEOUT_S, WarmPool
+from drivers.agent_sandbox.warm import CLAIMS, EXT_GROUP, EXT_VERSION, WARM_SCOPES
+from drivers.agent_sandbox.warm_pool import ASSIGNMENT_MODES, DEFAULT_ADOPT_TIMEOUT_S, WarmPool
 from drivers.contract import (
     SCOPES,
     DriverConfig,
@@ -79,7 +79,7 @@ from drivers.contract import (
     SandboxScope,
     ScopedMethods,
 )
-from drivers.kubernetes_driver import (
+from drivers.kubernetes.driver import (
     APPLY_CONTENT_TYPE,
     FIELD_MANAGER,
     LOG_LEFT_ALONE,
@@ -89,7 +89,7 @@ from drivers.kubernetes_driver import (
     load_client_configuration,
     max_pool_size,
 )
-from drivers.kubernetes_manifests import MANAGED_SELECTOR, secret_name
+from drivers.kubernetes.manifests import MANAGED_SELECTOR, secret_name
 from drivers.naming import LABEL_SANDBOX_ID, LABEL_SCOPE, sandbox_base_name
 
 #: The JSON Pointer of the owner label (``/`` escaped as ``~1``).
@@ -171,7 +171,7 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
             else None
         )
 
-    # -- what the warm-pool path uses
+    # -- what the warm-pool path uses (warm_pool.PoolDriver)
     @property
     def config(self) -> DriverConfig:
         return self._config

@@ -1,4 +1,5 @@
-"""A stand-in runner for the demo and the local-process tests: it "polls" its queue until SIGTERM.
+"""A stand-in runner for the demo, the compose pod and the local-process tests: it "polls" its queue
+until SIGTERM.
 
 It prints the queue it serves and whether it received a token (never the token),
 then sleeps; SIGTERM ends it cleanly, as the real runner's Temporal worker drains.

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Final
 
 from drivers.contract import DriverConfig, SandboxEnvironment, SandboxScope
-from drivers.kubernetes_manifests import (
+from drivers.kubernetes.manifests import (
     CONTAINER_NAME,
     DEFAULT_RESOURCES,
     RUNNER_COMMAND,

@@ -58,8 +58,8 @@ from drivers.naming import (
     sandbox_base_name,
     sandbox_labels,
 )
-from drivers.runner_env import build_runner_env, scrub
-from drivers.runner_launch import RUNNER_GID, RUNNER_HOME, RUNNER_MAIN, RUNNER_START, RUNNER_UID
+from drivers.runner.env import build_runner_env, scrub
+from drivers.runner.launch import RUNNER_GID, RUNNER_HOME, RUNNER_MAIN, RUNNER_START, RUNNER_UID
 
 DRIVER_NAME: Final = "docker"
 DEFAULT_DOCKER_HOST: Final = "unix:///var/run/docker.sock"

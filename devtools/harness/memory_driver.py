@@ -3,6 +3,9 @@
 Used for volume (chaos, benchmarks) and for audit replay, where no real
 sandbox may be touched. It is never the only test of a path: every path it
 stands in for also has a real-part integration test.
+
+Dev-only: the harness registers it as ``memory`` (``sandbox_lanes.drivers`` entry point in
+devtools/pyproject.toml), so only where the harness is installed can a pod or the bench select it.
 """
 
 from __future__ import annotations

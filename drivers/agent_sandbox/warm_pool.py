@@ -1,7 +1,7 @@
 """The warm-pool path of the agent-sandbox driver: keep the pool, claim from it, hand the claim its secrets.
 
 ``warm_pool_size`` > 0 turns it on. The driver then applies one SandboxTemplate + SandboxWarmPool
-(``drivers.agent_sandbox_warm``) on first use, and an ensure of a workflow or connect sandbox that
+(``drivers.agent_sandbox.warm``) on first use, and an ensure of a workflow or connect sandbox that
 finds nothing first claims from the pool:
 
 1. create SandboxClaim ``<base>`` (labels as a Sandbox would have; the task queue as an annotation);
@@ -28,15 +28,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import time
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Protocol
 
 from kubernetes import client as k8s
 from kubernetes.stream import stream
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from drivers.agent_sandbox_manifests import GROUP, PLURAL, VERSION
-from drivers.agent_sandbox_warm import (
+from drivers.agent_sandbox.manifests import GROUP, PLURAL, VERSION
+from drivers.agent_sandbox.warm import (
     ANNOTATION_ASSIGNED,
     ASSIGNMENT_SECRET_KEY,
     CLAIMS,
@@ -55,13 +57,32 @@ from drivers.agent_sandbox_warm import (
     pool_name,
     template_manifest,
 )
-from drivers.contract import SandboxCollision, SandboxEnvironment, SandboxError, SandboxScope
-from drivers.kubernetes_driver import APPLY_CONTENT_TYPE, FIELD_MANAGER
-from drivers.kubernetes_manifests import CONTAINER_NAME, MANAGED_SELECTOR, secret_name
+from drivers.contract import DriverConfig, SandboxCollision, SandboxEnvironment, SandboxError, SandboxScope
+from drivers.kubernetes.driver import APPLY_CONTENT_TYPE, FIELD_MANAGER, Found
+from drivers.kubernetes.manifests import CONTAINER_NAME, MANAGED_SELECTOR, secret_name
 from drivers.naming import sandbox_base_name
 
-if TYPE_CHECKING:
-    from drivers.agent_sandbox_driver import AgentSandboxProvisioner
+
+class PoolDriver(Protocol):
+    """What the pool uses of its driver (``AgentSandboxProvisioner``), so that the pool never imports it."""
+
+    @property
+    def config(self) -> DriverConfig: ...
+    @property
+    def logger(self) -> logging.Logger: ...
+    @property
+    def custom(self) -> Any: ...  # the CustomObjectsApi
+    @property
+    def core(self) -> Any: ...  # the CoreV1Api
+    @property
+    def api_client(self) -> Any: ...  # for exec's own client
+    async def call(self, action: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+    def found(self, obj: Mapping[str, Any], kind: str) -> Found: ...
+    async def find(self, kind: str, name: str) -> Found | None: ...
+    def check_owner(self, found: Found | None, name: str, scope: SandboxScope, sandbox_id: str) -> None: ...
+    async def read_sandbox(self, name: str) -> dict[str, Any] | None: ...
+    async def ensure_cold(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None: ...
+
 
 DEFAULT_ADOPT_TIMEOUT_S: Final = 10.0
 ASSIGNMENT_MODES: Final = ("async", "sync")
@@ -102,7 +123,7 @@ class WarmPoolMetrics:
 
 class WarmPool:
     def __init__(
-        self, driver: AgentSandboxProvisioner, size: int, adopt_timeout_s: float, assignment: str = "async"
+        self, driver: PoolDriver, size: int, adopt_timeout_s: float, assignment: str = "async"
     ) -> None:
         self._driver = driver
         self.size = size
