@@ -57,8 +57,13 @@ def test_the_product_wheel_ships_without_the_harness_and_runs_without_test_extra
         cwd=tmp_path,
     )
     (wheel,) = wheels.glob("sandbox_lanes-*.whl")
-    tops = {name.split("/", 1)[0] for name in zipfile.ZipFile(wheel).namelist()}
+    names = set(zipfile.ZipFile(wheel).namelist())
+    tops = {name.split("/", 1)[0] for name in names}
     assert {t for t in tops if not t.endswith((".dist-info", ".data"))} == {"consumers", "drivers", "events"}
+    # Every driver package is listed (pyproject [tool.setuptools] packages); the test driver is not in it.
+    for package in ("drivers/kubernetes", "drivers/agent_sandbox", "drivers/runner"):
+        assert f"{package}/__init__.py" in names, package
+    assert not [n for n in names if "memory" in n.rsplit("/", 1)[-1]], names
 
     # `pip install` of the wheel in a clean venv, dependencies resolved from the package index
     # (pip's cache makes it quick), no test extras, no harness.

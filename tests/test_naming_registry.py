@@ -94,6 +94,13 @@ def test_selects_the_real_built_in_drivers_by_name() -> None:
     assert docker is not None and docker.driver_name == "docker"
 
 
+def test_the_dev_harness_registers_the_memory_driver_by_entry_point() -> None:
+    # Not a built-in: the harness distribution's `sandbox_lanes.drivers` entry point (devtools/pyproject.toml).
+    assert "memory" not in BUILT_IN_SANDBOX_PROVISIONER_TYPES
+    memory = new_sandbox_provisioner("memory", DriverConfig(options={"seed": "3"}), LOGGER)
+    assert isinstance(memory, MemoryProvisioner) and memory.seed == 3
+
+
 def test_selects_an_extension_registered_factory_beyond_the_built_ins() -> None:
     marker = Marker()
     provisioner = new_sandbox_provisioner(
