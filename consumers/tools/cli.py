@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help=config_help)
         return p
 
-    add("run", "run the pod (configured from the environment; see the README's config table)").set_defaults(
+    add("run", "run the pod (configured from the environment; see docs/configuration.md)").set_defaults(
         func=_cmd_run,
         log_level=None,  # no --log-level: SANDBOX_LANES_LOG_LEVEL (default info)
     )
