@@ -24,8 +24,8 @@ from harness.kube_node import RUNNER_IMAGE, KubeNode
 from kubernetes import client
 
 from consumers.ops.driver_background import start_driver_background
+from consumers.ops.reaper import start_periodic_reaper
 from consumers.ops.settings import load_settings
-from consumers.tools.reaper import start_periodic_reaper
 from drivers.agent_sandbox.driver import (
     LOG_ENSURED,
     LOG_LEFT_ALONE,

@@ -340,7 +340,7 @@ def test_the_assignment_file_round_trips_awkward_values_through_a_real_shell(tmp
 
 
 class _Store:
-    """The two reads StoreSessionActivity makes of a pod's StateStore (the real one is exercised by the
+    """The two reads StoreSessionActivity makes of a pod's held states (the real one is exercised by the
     idle-sweep test through Kafka in test_agent_sandbox_driver.py)."""
 
     def __init__(self, states: list[Any]) -> None:
@@ -355,7 +355,7 @@ class _Store:
 
 class _Pod:
     def __init__(self, states: list[Any], partition: int | None = 0) -> None:
-        self.store = _Store(states)
+        self.states = _Store(states)
         self._partition = partition
 
     def input_partition_of(self, key: str) -> int | None:

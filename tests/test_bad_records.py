@@ -342,10 +342,10 @@ async def test_a_finished_execution_is_tombstoned_after_retention(
         # The finished one's state goes once 3 s have passed since its last input; the running
         # one's stays whatever its age.
         deadline = time.monotonic() + 30
-        while composed.pod.store.get(0, done) is not None and time.monotonic() < deadline:
+        while composed.pod.states.get(0, done) is not None and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-        assert composed.pod.store.get(0, done) is None
-        assert composed.pod.store.get(0, running) is not None
+        assert composed.pod.states.get(0, done) is None
+        assert composed.pod.states.get(0, running) is not None
         assert composed.pod.metrics.states_removed._value.get() == 1
 
         # The topic holds the tombstone (a null value) after the finished state.
@@ -370,8 +370,8 @@ async def test_a_finished_execution_is_tombstoned_after_retention(
 
     # A restarted pod restores without the removed key (the tombstone drops it).
     async with running_pod(env) as composed:
-        assert composed.pod.store.get(0, running) is not None
-        restored = composed.pod.store.get(0, done)
+        assert composed.pod.states.get(0, running) is not None
+        restored = composed.pod.states.get(0, done)
         assert restored is not None and restored.applied_count == 1  # the new execution's alone
 
 

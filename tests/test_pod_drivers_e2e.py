@@ -18,8 +18,8 @@ import pytest
 from harness.dockerd import Dockerd
 from harness.kube_node import RUNNER_IMAGE, KubeNode
 
+from consumers.ops.reaper import start_periodic_reaper
 from consumers.ops.settings import load_settings
-from consumers.tools.reaper import start_periodic_reaper
 from drivers.contract import SandboxEnvironment
 from drivers.kubernetes.driver import new_kubernetes_provisioner
 from drivers.naming import LABEL_MANAGED_BY, LABEL_SANDBOX_ID, sandbox_base_name

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from consumers.lanes.reap import plan_reap
 from consumers.lanes.retention import finished, removable_from
 from consumers.runtime.state_store import StateStore
-from consumers.tools.reaper import plan_reap
 from events.sandbox_lanes.v1 import common_pb2, state_pb2
 from tests.test_reaper import _sb, _state
 

@@ -42,5 +42,5 @@ def start_driver_background(composed: Composed) -> asyncio.Task[None] | None:
             await work.stop()
 
     task = asyncio.create_task(run(), name="driver-background")
-    pod.background.append(task)
+    pod.run_beside(task)
     return task

@@ -119,7 +119,7 @@ class OpsServer:
         committed, and the pod sets the gauge itself when the batch commits.
         """
         consumer: Any = self.pod.consumer
-        if consumer is None or self.pod.batch_lock.locked():
+        if consumer is None or self.pod.turn_in_progress:
             return
         gauge = self.metrics.consumer_lag
         assigned: set[tuple[str, str]] = set()

@@ -21,6 +21,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -46,7 +47,7 @@ from consumers.runtime.recovery import restore_and_resume
 from consumers.runtime.shutdown import end_tasks, run_until_bound
 from consumers.runtime.sink import BatchSink, PartitionSinks
 from consumers.runtime.stall_guard import StallGuard
-from consumers.runtime.state_store import StateStore
+from consumers.runtime.state_store import HeldStates, StateStore
 from consumers.runtime.topology import prepare_pod_topics
 from consumers.runtime.unparsable import Doom, RecordRef, fetch_around_unparsable, record_ref
 
@@ -62,6 +63,13 @@ _PROBE_MS = 500
 _EXPIRY_CHECK_S = 1.0
 #: What a suspect partition's transaction is retried for: its results alone, or one record.
 _RESULTS = "results"
+#: Why the pod forgets partitions (see :meth:`Pod._forget`).
+Forgotten = Literal["released", "take-over failed", "fenced"]
+_FORGET_MESSAGES: dict[Forgotten, str] = {
+    "released": "partitions released: their driver results are void here, the next owner re-runs them",
+    "take-over failed": "taking partitions over failed; rejoining the group",
+    "fenced": "fenced: another writer owns the partition now; standing down and rejoining the group",
+}
 
 
 @dataclass
@@ -84,18 +92,18 @@ class Pod:
         self.config = config
         self.processor = processor
         self.metrics = metrics or PodMetrics()
-        self.store = StateStore(config.topics.state, config.state_retention_s)
+        self._store = StateStore(config.topics.state, config.state_retention_s)
         self.stats = PodStats()
         self._last_loop = time.monotonic()
         self._restoring = False
         self._running = False
-        self.batch_lock = asyncio.Lock()
+        self._batch_lock = asyncio.Lock()
         self._restore_lock = asyncio.Lock()
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
         self._stop_requested_at: float | None = None
         #: Tasks tied to the pod's life (the periodic reaper): awaited within the shutdown bound on stop.
-        self.background: list[asyncio.Task[None]] = []
+        self._background: list[asyncio.Task[None]] = []
         self._consumer: AIOKafkaConsumer | None = None
         self._sinks: PartitionSinks | None = None
         #: Driver calls wait out a loop stall that may have cost the partitions (a paused pod).
@@ -126,6 +134,20 @@ class Pod:
         self._next_expiry_check = 0.0
 
     # --- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def states(self) -> HeldStates:
+        """The execution states this pod holds (committed ones only), read-only."""
+        return self._store
+
+    @property
+    def turn_in_progress(self) -> bool:
+        """A turn (or a take-over, a release) is changing the pod's partitions or positions now."""
+        return self._batch_lock.locked()
+
+    def run_beside(self, task: asyncio.Task[None]) -> None:
+        """Tie ``task`` to the pod's life: it is awaited within the shutdown bound when the pod stops."""
+        self._background.append(task)
 
     @property
     def consumer(self) -> AIOKafkaConsumer | None:
@@ -213,7 +235,7 @@ class Pod:
         """Start, process until stop is requested, then finish the batch in flight and close."""
         await self.start()
         self._running = True
-        self.background.append(asyncio.get_running_loop().create_task(self.stall_guard.watch(self._stop)))
+        self._background.append(asyncio.get_running_loop().create_task(self.stall_guard.watch(self._stop)))
         try:
             await self._bounded_loop()
         finally:
@@ -248,7 +270,7 @@ class Pod:
 
     async def _stop_background(self) -> None:
         self._stop.set()  # background tasks end on the stop signal too (also when the loop raised)
-        await end_tasks(self.background, self._remaining() - _CLOSE_RESERVE_S, _CLOSE_RESERVE_S)
+        await end_tasks(self._background, self._remaining() - _CLOSE_RESERVE_S, _CLOSE_RESERVE_S)
 
     def assigned(self, assigned: set[TopicPartition]) -> None:
         """Assigned (aiokafka's coordinator calls this): start taking the partitions over, return at once.
@@ -275,26 +297,8 @@ class Pod:
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-        if partitions:
-            logger.info(
-                "partitions released: their driver results are void here, the next owner re-runs them",
-                extra={
-                    "partitions": ",".join(map(str, sorted(partitions))),
-                    "outstanding": self.effects.outstanding,
-                },
-            )
-        async with self.batch_lock:
-            self._owned -= partitions
-            self._sought = {tp: o for tp, o in self._sought.items() if tp.partition not in partitions}
-            self.effects.disown(partitions)
-            self.store.drop(partitions)
-            for p in partitions:
-                self._create_gate.forget(p)
-            self._forget(partitions)
-            self._retry = [c for c in self._retry if c.partition not in partitions]
-            self._fenced -= partitions
-            if self._sinks is not None:
-                await self._sinks.close(partitions)
+        async with self._batch_lock:
+            await self._forget(partitions, "released")
 
     async def take_over(self, assigned: set[TopicPartition]) -> None:
         """Assigned: fence the previous writer, read the offsets it left, restore, resume its outbox."""
@@ -305,14 +309,8 @@ class Pod:
         except Exception as exc:
             # aiokafka logs a failed callback and carries on with the partitions assigned: they
             # would sit idle here. Give them back instead; the next turn rejoins the group.
-            logger.error(
-                "taking partitions over failed; rejoining the group",
-                extra={"partitions": ",".join(map(str, sorted(partitions))), "error": str(exc) or repr(exc)},
-            )
-            async with self.batch_lock:
-                self._owned -= partitions
-                self.effects.disown(partitions)
-                self.store.drop(partitions)
+            async with self._batch_lock:
+                await self._forget(partitions, "take-over failed", error=str(exc) or repr(exc))
             self._rejoin = True
         finally:
             self._restoring = False
@@ -321,7 +319,7 @@ class Pod:
 
     async def _take_over(self, assigned: set[TopicPartition], partitions: set[int]) -> None:
         assert self._sinks is not None and self._consumer is not None
-        async with self.batch_lock:
+        async with self._batch_lock:
             self._fenced -= partitions
             # exactly_once: InitProducerId for <group>-p<N> aborts (or waits out) the previous
             # owner's transaction, so the committed offsets read next are the stable ones.
@@ -347,7 +345,7 @@ class Pod:
                     partitions,
                     owned=lambda: self._owned,
                     config=self.config,
-                    store=self.store,
+                    store=self._store,
                     effects=self.effects,
                     stats=self.stats,
                     metrics=self.metrics,
@@ -461,7 +459,7 @@ class Pod:
             work.setdefault(tp.partition, ({}, []))[0][tp] = recs
         if work:
             await self.restore(set(work))
-        async with self.batch_lock:
+        async with self._batch_lock:
             completions, self._retry = [*self._retry, *self.effects.take()], []
             for completion in completions:
                 work.setdefault(completion.partition, ({}, []))[1].append(completion)
@@ -481,9 +479,9 @@ class Pod:
         """States past their retention, per owned partition: looked for once a second, or at the
         next turn while a look finds a whole batch (a backlog drains at a batch per turn)."""
         now = time.time()
-        if self.store.retention_s <= 0 or now < self._next_expiry_check:
+        if self._store.retention_s <= 0 or now < self._next_expiry_check:
             return {}
-        due = self.store.due(now, self.config.max_batch)
+        due = self._store.due(now, self.config.max_batch)
         saturated = sum(len(keys) for keys in due.values()) >= self.config.max_batch
         self._next_expiry_check = now if saturated else now + _EXPIRY_CHECK_S
         return {
@@ -553,7 +551,7 @@ class Pod:
             sink,
             config=self.config,
             processor=self.processor,
-            store=self.store,
+            store=self._store,
             stats=self.stats,
             metrics=self.metrics,
             gate=self._create_gate,
@@ -581,12 +579,40 @@ class Pod:
             return
         self._committed(txn, started)
 
-    def _forget(self, partitions: set[int]) -> None:
-        """What the pod tracked for partitions it no longer owns (their next owner starts afresh)."""
+    async def _forget(self, partitions: set[int], why: Forgotten, *, error: str | None = None) -> None:
+        """The one way partitions leave the pod (the turn lock held): released by the group, a
+        take-over that failed (the pod rejoins), or fenced by another writer (the pod rejoins and
+        ignores the partitions until the group reassigns them). Everything tracked for them goes:
+        state, positions, driver calls (queued ones dropped, running ones' results void: the next
+        owner re-runs them from the outbox), held results, create-order marks, doomed records,
+        suspects, and the partition's producer."""
+        if not partitions:
+            return
+        logger.log(
+            logging.INFO if why == "released" else logging.ERROR,
+            _FORGET_MESSAGES[why],
+            extra={
+                "partitions": ",".join(map(str, sorted(partitions))),
+                "outstanding": self.effects.outstanding,
+                **({"error": error} if error else {}),
+            },
+        )
+        self._owned -= partitions
+        if why == "fenced":
+            self._fenced |= partitions
+        else:
+            self._fenced -= partitions
+        self._sought = {tp: o for tp, o in self._sought.items() if tp.partition not in partitions}
+        self.effects.disown(partitions)
+        self._store.drop(partitions)
+        for p in partitions:
+            self._create_gate.forget(p)
+            self._suspects.pop(p, None)
+        self._retry = [c for c in self._retry if c.partition not in partitions]
         self._decided_at = {e: d for e, d in self._decided_at.items() if d[0] not in partitions}
         self._doomed = {ref: d for ref, d in self._doomed.items() if ref[1] not in partitions}
-        for p in partitions:
-            self._suspects.pop(p, None)
+        if self._sinks is not None:
+            await self._sinks.close(partitions)
 
     def _touch(self) -> None:
         self._last_loop = time.monotonic()
@@ -602,10 +628,10 @@ class Pod:
                 self._consumer.seek(tp, offset)
         for key, state in txn.overlay.items():
             if state is None:
-                self.store.delete(txn.partition, key)
+                self._store.delete(txn.partition, key)
                 self.metrics.states_removed.inc()
             else:
-                self.store.put(txn.partition, key, state)
+                self._store.put(txn.partition, key, state)
         for rec in txn.attempted:
             self._doomed.pop(record_ref(rec), None)
         if txn.limit != 0:
@@ -628,7 +654,7 @@ class Pod:
         for kind, n in txn.counted.items():
             self.metrics.outputs.labels(kind.rsplit(".", 1)[-1]).inc(n)
         self.metrics.batch_seconds.observe(now - started)
-        self.metrics.state_keys.set(len(self.store))
+        self.metrics.state_keys.set(len(self._store))
         for tp, off in txn.offsets.items():
             highwater = self._consumer.highwater(tp)
             if highwater is not None:
@@ -742,16 +768,5 @@ class Pod:
         # Another pod took the partition over (this one was paused past its session timeout, or
         # its transaction outlived the timeout): nothing of it may be written from here. Stand
         # down and let the group decide who owns it; a rejoin reassigns it, fenced again.
-        logger.error(
-            "fenced: another writer owns the partition now; standing down and rejoining the group",
-            extra={"partition": partition, "error": error},
-        )
-        self._fenced.add(partition)
-        self._owned.discard(partition)
-        self.effects.disown({partition})
-        self.store.drop({partition})
-        self._create_gate.forget(partition)
-        self._forget({partition})
-        if self._sinks is not None:
-            await self._sinks.close({partition})
+        await self._forget({partition}, "fenced", error=error)
         self._subscribe()

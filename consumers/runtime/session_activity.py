@@ -28,7 +28,7 @@ FUTURE_ALLOWANCE_S = 60.0
 
 
 class StoreSessionActivity:
-    """``SessionActivityReader`` over ``pod.store``."""
+    """``SessionActivityReader`` over ``pod.states``."""
 
     def __init__(
         self, pod: Pod, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time
@@ -41,7 +41,7 @@ class StoreSessionActivity:
 
     def activity(self, session_id: str) -> SessionActivity | None:
         partition = self._pod.input_partition_of(session_id)
-        if partition is None or partition not in self._pod.store.owned():
+        if partition is None or partition not in self._pod.states.owned():
             return None
         now = self._clock()
         if self._built_at is None or now - self._built_at >= INDEX_TTL_S:
@@ -54,7 +54,7 @@ class StoreSessionActivity:
         last: dict[str, float] = {}
         count: dict[str, int] = {}
         latest_allowed = self._wall() + FUTURE_ALLOWANCE_S
-        for _key, state in self._pod.store.items():
+        for _key, state in self._pod.states.items():
             if state.kind != common_pb2.AGENT_EXECUTION or not state.session_id or not state.created:
                 continue
             sid = state.session_id

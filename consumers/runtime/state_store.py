@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiokafka import TopicPartition
 from google.protobuf.message import DecodeError as ProtobufDecodeError
@@ -34,6 +35,18 @@ class RestoreReport:
     records: int
     keys: int
     seconds: float
+
+
+class HeldStates(Protocol):
+    """What other layers may read of a pod's states: committed values, never a write."""
+
+    def get(self, partition: int, key: str) -> state_pb2.ExecutionState | None: ...
+
+    def owned(self) -> set[int]: ...
+
+    def items(self) -> Iterator[tuple[str, state_pb2.ExecutionState]]: ...
+
+    def __len__(self) -> int: ...
 
 
 class StateStore:

@@ -54,7 +54,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, composed.pod.request_stop)
-        from consumers.tools.reaper import start_periodic_reaper  # SANDBOX_LANES_REAP_INTERVAL_S (0 = off)
+        from consumers.ops.reaper import start_periodic_reaper  # SANDBOX_LANES_REAP_INTERVAL_S (0 = off)
 
         start_periodic_reaper(settings, composed)  # the pod awaits it within its shutdown bound
         from consumers.ops.driver_background import start_driver_background

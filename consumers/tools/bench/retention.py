@@ -167,18 +167,18 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
                 await _send(producer, topics.phase_changed, [_terminal(e, f"{e}-t") for e in ids])
                 await _until(pod, provisioner, "SandboxDeprovisioned", (wave + 1) * n, wave_timeout)
                 stream_s = time.perf_counter() - started
-                at_end = len(pod.store)
+                at_end = len(pod.states)
                 # Past the retention (the same nominal wait in the run that keeps everything), then
                 # until the pod has tombstoned every finished state (it removes max_batch a second).
                 waited = time.perf_counter()
                 await asyncio.sleep(spec["settle_s"])
                 deadline = time.monotonic() + spec["settle_s"] + n / 100 + 30
-                while retention_s > 0 and len(pod.store) > 0 and time.monotonic() < deadline:
+                while retention_s > 0 and len(pod.states) > 0 and time.monotonic() < deadline:
                     await asyncio.sleep(0.1)
                 wait_s = time.perf_counter() - waited
                 provisioner.calls.clear()
                 gc.collect()
-                store_bytes = sum(len(key) + state.ByteSize() for key, state in pod.store.items())
+                store_bytes = sum(len(key) + state.ByteSize() for key, state in pod.states.items())
                 conn.send(
                     {
                         "wave": wave + 1,
@@ -186,7 +186,7 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
                         "stream_seconds": stream_s,
                         "keys_at_wave_end": at_end,
                         "wait_seconds": wait_s,
-                        "keys_held": len(pod.store),
+                        "keys_held": len(pod.states),
                         "rss_mib": read_status("VmRSS") / MIB,
                         "store_mib": store_bytes / MIB,
                         "live_sandboxes": len(provisioner.live),

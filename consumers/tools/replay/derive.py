@@ -14,12 +14,12 @@ from aiokafka import ConsumerRecord, TopicPartition
 from consumers.lanes.commands import Command, CommandResult, Ensure, LaneConfig, StateView
 from consumers.lanes.retention import finished
 from consumers.ops.progress import progress
+from consumers.ops.reaper import partitions_of
 from consumers.runtime.executor import CommandRunner
 from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.topic_reader import read_to_end
 from consumers.runtime.topology import Topics
-from consumers.tools.reaper import partitions_of
 from consumers.tools.replay.compare import (
     Divergence,
     RecordedOutcome,

@@ -1,0 +1,289 @@
+"""The reaper's I/O and its periodic task in a pod (the decision is :mod:`consumers.lanes.reap`).
+
+:class:`Reaper` lists the managed sandboxes through the configured driver, reads the
+execution states (inside a pod: its own restored ones, for the partitions it owns; from
+the CLI: the whole compacted state topic, read-only), plans, and with ``apply``
+deprovisions each candidate and writes one ``SandboxReaped`` outcome per removal. Only
+what ``list_managed()`` returns is ever considered, and drivers list by the
+``stigmer.ai/managed-by`` label: a runtime object without our labels is never touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
+
+from consumers.lanes.commands import LaneConfig
+from consumers.lanes.reap import ReapPlan, plan_reap, reaped_event
+from consumers.ops.settings import Settings
+from consumers.runtime.executor import error_message
+from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
+from consumers.runtime.metrics import PodMetrics
+from consumers.runtime.state_store import StateStore
+from consumers.runtime.topology import Topics
+from drivers.contract import SandboxProvisioner
+from events.codec import encode
+from events.sandbox_lanes.v1 import state_pb2
+
+if TYPE_CHECKING:
+    from consumers.ops.compose import Composed
+    from consumers.runtime.pod import Pod
+
+logger = logging.getLogger("sandbox_lanes.reaper")
+
+
+@dataclass
+class ReapResult:
+    plan: ReapPlan
+    removed: bool = False
+    error: str = ""
+    event_id: str = ""
+
+
+@dataclass
+class ReapReport:
+    results: list[ReapResult]
+    applied: bool
+    states: int
+
+    @property
+    def removed(self) -> int:
+        return sum(1 for r in self.results if r.removed)
+
+    @property
+    def failed(self) -> int:
+        return sum(1 for r in self.results if r.error)
+
+    @property
+    def candidates(self) -> int:
+        return sum(1 for r in self.results if r.plan.verdict == "reap")
+
+
+async def partitions_of(
+    bootstrap: str, topics: Iterable[str], *, security: KafkaSecurity = PLAINTEXT
+) -> dict[str, list[int]]:
+    """Partition ids of each existing topic (a missing topic is absent from the result)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **security.client_options())
+    await admin.start()
+    try:
+        described: list[dict[str, Any]] = await admin.describe_topics(list(topics))
+    finally:
+        await admin.close()
+    return {
+        t["topic"]: sorted(p["partition"] for p in t["partitions"])
+        for t in described
+        if t.get("error_code", 0) == 0 and t.get("partitions")
+    }
+
+
+async def read_all_states(
+    bootstrap: str,
+    topic: str,
+    *,
+    isolation_level: str = "read_committed",
+    security: KafkaSecurity = PLAINTEXT,
+) -> dict[str, state_pb2.ExecutionState]:
+    """Every execution's latest state: the whole compacted topic, all partitions, read-only."""
+    partitions = (await partitions_of(bootstrap, [topic], security=security)).get(topic, [])
+    store = StateStore(topic)
+    await store.restore(bootstrap, partitions, isolation_level=isolation_level, security=security)
+    return dict(store.items())
+
+
+@dataclass
+class Reaper:
+    provisioner: SandboxProvisioner
+    bootstrap: str
+    topics: Topics
+    lane: LaneConfig
+    grace_s: float = 600.0
+    isolation_level: str = "read_committed"
+    metrics: PodMetrics | None = None
+    teardown_timeout_s: float = 60.0
+    security: KafkaSecurity = PLAINTEXT
+    #: Inside a pod: its own restored states and which sandbox ids its partitions own. Each
+    #: replica then judges only its own sandboxes, from memory, instead of every replica reading
+    #: the whole state topic each pass. None (the CLI): the whole topic, every sandbox.
+    local: Callable[[], tuple[dict[str, state_pb2.ExecutionState], Callable[[str], bool]]] | None = None
+    #: Finished executions' states are removed after a retention (see :func:`plan_reap`).
+    states_expire: bool = False
+
+    async def plan(self, now: float | None = None) -> tuple[list[ReapPlan], int]:
+        # List first, then read state: the state view is never older than the listing.
+        managed = await self.provisioner.list_managed()
+        if self.local is not None:
+            states, owns = self.local()
+            managed = [m for m in managed if owns(m.sandbox_id)]
+        else:
+            states = await read_all_states(
+                self.bootstrap,
+                self.topics.state,
+                isolation_level=self.isolation_level,
+                security=self.security,
+            )
+        at = time.time() if now is None else now
+        return plan_reap(managed, states, at, self.grace_s, states_expire=self.states_expire), len(states)
+
+    async def run_once(
+        self, *, apply: bool, now: float | None = None, stop: asyncio.Event | None = None
+    ) -> ReapReport:
+        plans, n_states = await self.plan(now)
+        results = [ReapResult(p) for p in plans]
+        candidates = [r for r in results if r.plan.verdict == "reap"]
+        if not apply or not candidates:
+            return ReapReport(results, apply, n_states)
+        producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap, acks="all", linger_ms=0, **self.security.client_options()
+        )
+        await producer.start()
+        try:
+            for result in candidates:
+                if stop is not None and stop.is_set():
+                    break
+                await self._remove(result, producer)
+        finally:
+            await producer.stop()
+        return ReapReport(results, apply, n_states)
+
+    async def _remove(self, result: ReapResult, producer: AIOKafkaProducer) -> None:
+        sb = result.plan.sandbox
+
+        async def remove() -> bool:
+            # The listing is older than the state read: a lane's teardown may have removed the
+            # sandbox in between. Gone now is nothing to reap, and no SandboxReaped claims otherwise.
+            if await self.provisioner.probe(sb.scope, sb.sandbox_id) == "absent":
+                return False
+            await self.provisioner.deprovision(sb.scope, sb.sandbox_id)
+            return True
+
+        try:
+            # One bound for the probe and the removal: neither may hold the pass up.
+            if not await asyncio.wait_for(remove(), self.teardown_timeout_s):
+                logger.info(
+                    "Reaper candidate already gone",
+                    extra={"scope": sb.scope, "sandboxId": sb.sandbox_id, "sandboxName": sb.name},
+                )
+                return
+        except Exception as exc:
+            result.error = error_message(exc) if not isinstance(exc, TimeoutError) else "teardown timed out"
+            logger.error(
+                "Reaper could not remove sandbox - it may be leaked",
+                extra={
+                    "scope": sb.scope,
+                    "sandboxId": sb.sandbox_id,
+                    "sandboxName": sb.name,
+                    "error": result.error,
+                },
+            )
+            if self.metrics is not None:
+                self.metrics.leaked.labels(self.provisioner.driver_name).inc()
+            return
+        result.removed = True
+        event = reaped_event(result.plan, self.lane, time.time())
+        result.event_id = event.meta.event_id
+        record = encode(event, source=self.lane.source)
+        await producer.send_and_wait(
+            self.topics.outcomes, record.value, key=record.key, headers=record.headers
+        )
+        if self.metrics is not None:
+            self.metrics.reaped.labels(self.provisioner.driver_name).inc()
+        logger.info(
+            "Sandbox reaped",
+            extra={
+                "scope": sb.scope,
+                "sandboxId": sb.sandbox_id,
+                "sandboxName": sb.name,
+                "reason": result.plan.reason,
+                "eventId": result.event_id,
+            },
+        )
+
+
+def isolation(settings: Settings) -> str:
+    return "read_committed" if settings.guarantee == "exactly_once" else "read_uncommitted"
+
+
+def reaper_for(settings: Settings, composed: Composed) -> Reaper | None:
+    if composed.provisioner is None:
+        return None
+    return Reaper(
+        composed.provisioner,
+        settings.bootstrap,
+        settings.topics,
+        composed.lane,
+        grace_s=settings.reap_grace_s,
+        isolation_level=isolation(settings),
+        metrics=composed.metrics,
+        teardown_timeout_s=settings.teardown_timeout_s,
+        security=settings.kafka_security,
+        local=_pod_states(composed.pod),
+        states_expire=settings.state_retention_s > 0,
+    )
+
+
+def _pod_states(
+    pod: Pod,
+) -> Callable[[], tuple[dict[str, state_pb2.ExecutionState], Callable[[str], bool]]]:
+    """The pod's restored states, and whether a sandbox id's records are on a partition it owns
+    (a workflow sandbox is keyed by its execution id, a session sandbox by its session id: the
+    keys its inputs are partitioned by)."""
+
+    def local() -> tuple[dict[str, state_pb2.ExecutionState], Callable[[str], bool]]:
+        owned = pod.states.owned()
+        return dict(pod.states.items()), lambda key: pod.input_partition_of(key) in owned
+
+    return local
+
+
+async def periodic(reaper: Reaper, interval_s: float, stop: asyncio.Event, ready: asyncio.Event) -> None:
+    """One pass every ``interval_s`` once the pod is ready, until ``stop``; a failed pass is logged."""
+    await _first(stop, ready)
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), interval_s)
+        if stop.is_set():
+            return
+        try:
+            report = await reaper.run_once(apply=True, stop=stop)
+        except Exception as exc:
+            logger.error("reaper pass failed", extra={"error": error_message(exc)})
+            continue
+        logger.info(
+            "reaper pass",
+            extra={
+                "listed": len(report.results),
+                "removed": report.removed,
+                "failed": report.failed,
+                "states": report.states,
+            },
+        )
+
+
+async def _first(stop: asyncio.Event, ready: asyncio.Event) -> None:
+    waiters = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(ready.wait())}
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+
+
+def start_periodic_reaper(settings: Settings, composed: Composed) -> asyncio.Task[None] | None:
+    """Start the pod's periodic reaper (``SANDBOX_LANES_REAP_INTERVAL_S``, 0 = off); the pod awaits it."""
+    interval = settings.reap_interval_s
+    reaper = reaper_for(settings, composed)
+    if interval == 0 or reaper is None:
+        return None
+    pod = composed.pod
+    task = asyncio.create_task(periodic(reaper, interval, pod.stopping, pod.ready), name="reaper")
+    pod.run_beside(task)
+    logger.info("periodic reaper on", extra={"intervalSeconds": interval, "graceSeconds": reaper.grace_s})
+    return task
