@@ -192,7 +192,9 @@ async def prepare_pod_topics(
     counts, hidden = await _describe(admin, topics.all())
     unreadable = [name for name in topics.co_partitioned if name in hidden]
     if unreadable:  # Read (or Write) on a topic implies Describe: these the pod can never consume
-        raise TopologyError(f"not authorized to describe {', '.join(unreadable)} (see the README's ACLs)")
+        raise TopologyError(
+            f"not authorized to describe {', '.join(unreadable)} (see the ACLs in docs/operations.md)"
+        )
     if hidden:  # an output it may not write: the first transaction writing it will name it
         logger.warning("not authorized to describe topics", extra={"topics": ",".join(sorted(hidden))})
     missing_inputs = [name for name in topics.inputs if name not in counts]

@@ -55,6 +55,10 @@ def render_table(doc: dict[str, Any]) -> str:
             rows.append(("   pod / ceiling (at_least_once)", *cells(p["ratio_at_least_once"]), ""))
             rows.append(("   pod / EOS pipe with the same write shape",
                          *cells(p["ratio_exactly_once_vs_eos_pipe"]), ""))  # fmt: skip
+            for guarantee in ("exactly_once", "at_least_once"):
+                key = f"{guarantee}_loop_cpu_us_per_event"
+                if key in p:
+                    rows.append((f"   pod, {guarantee}: event loop CPU per event, µs", *cells(p[key]), ""))
     for lat in (figs.get("latency"), figs.get("latency_at_least_once")):
         if lat is None:
             continue
