@@ -279,7 +279,7 @@ def _equal_stamps(histories: list[list[Planned]]) -> int:
 
 # --- expectations ---------------------------------------------------------------------------------
 
-#: The outcome id namespace (README: outcome and command ids are uuid5 of "<input id>/<type>/<scope>").
+#: The outcome id namespace (docs/guarantees.md: outcome and effect ids are uuid5 of "<input id>/<type>/<scope>").
 OUTPUT_ID_NAMESPACE = uuid.UUID("6f1d3c2e-5b7a-4e0b-9a51-2f4c8d7e9b10")
 PREFIX = "Sandbox provisioning failed: "  # spec 2.2
 APPLIED_IDS_KEPT = 32  # each execution remembers its newest 32 applied input ids (the duplicate filter)

@@ -50,7 +50,7 @@ def _through_the_rules(
         op: Op = "Ensure" if entry.op == state_pb2.EFFECT_OP_ENSURE else "Deprovision"
         ok, error = results.setdefault((entry.causation_id, op), injected(entry.causation_id, op))
         result = CommandResult(ok=ok, error=error, probe_state="running" if ok and op == "Ensure" else "")
-        outcome = complete_effect(state, entry.command_id, result, config)
+        outcome = complete_effect(state, entry.effect_id, result, config)
         assert outcome.state is not None and len(outcome.outputs) == 1
         states[key] = outcome.state
 

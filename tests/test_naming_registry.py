@@ -131,7 +131,12 @@ def test_an_unselected_driver_constructs_nothing() -> None:
 
 
 def test_the_built_in_name_set_is_the_isolation_ladder() -> None:
-    assert list(BUILT_IN_SANDBOX_PROVISIONER_TYPES) == ["local-process", "docker", "kubernetes", "agent-sandbox"]
+    assert list(BUILT_IN_SANDBOX_PROVISIONER_TYPES) == [
+        "local-process",
+        "docker",
+        "kubernetes",
+        "agent-sandbox",
+    ]
 
 
 # -- sandbox_base_name (the Java SandboxObjectNaming derivation) -------------------

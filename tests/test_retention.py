@@ -20,7 +20,7 @@ DAY = 86_400.0
 
 def _pending(state: state_pb2.ExecutionState) -> state_pb2.ExecutionState:
     entry = state.pending.add()
-    entry.command_id = "c1"
+    entry.effect_id = "c1"
     entry.op = state_pb2.EFFECT_OP_DEPROVISION
     return state
 

@@ -283,7 +283,7 @@ def test_a_recovered_workflow_gets_its_sandbox_ensured_again_critical_same_name_
     assert entry.op == state_pb2.EFFECT_OP_ENSURE and entry.recover
     # Upstream clears the error when it persists the recovered execution, after the ensure.
     assert state.status_error == "boom"
-    done = complete_effect(state, entry.command_id, CommandResult(ok=True, probe_state="running"), CONFIG)
+    done = complete_effect(state, entry.effect_id, CommandResult(ok=True, probe_state="running"), CONFIG)
     assert done.state is not None and done.state.status_error == "" and not done.state.pending
 
 
@@ -294,7 +294,7 @@ def test_a_refused_recover_leaves_the_workflow_failed_with_its_error_and_can_be_
     state.ClearField("pending")
     state, _ = _apply(state, wf_phase(common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_FAILED, at=3))
     refused = complete_effect(
-        state, state.pending[0].command_id, CommandResult(ok=False, error="no capacity"), CONFIG
+        state, state.pending[0].effect_id, CommandResult(ok=False, error="no capacity"), CONFIG
     )
     assert refused.state is not None
     (failed,) = refused.outputs
@@ -310,7 +310,7 @@ def test_a_refused_recover_leaves_the_workflow_failed_with_its_error_and_can_be_
 def test_a_refused_create_is_recorded_and_its_terminal_phase_tears_nothing_down() -> None:
     state, commands = _apply(None, wf_created_event())
     refused = complete_effect(
-        state, state.pending[0].command_id, CommandResult(ok=False, error="no capacity"), CONFIG
+        state, state.pending[0].effect_id, CommandResult(ok=False, error="no capacity"), CONFIG
     )
     assert (
         refused.state is not None and refused.state.refused and refused.state.refusal_reason == "no capacity"
@@ -324,7 +324,7 @@ def test_a_refused_create_is_recorded_and_its_terminal_phase_tears_nothing_down(
     recovering, _ = _apply(
         failed, wf_phase(common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_FAILED, at=3)
     )
-    ok = complete_effect(recovering, recovering.pending[0].command_id, CommandResult(ok=True), CONFIG)
+    ok = complete_effect(recovering, recovering.pending[0].effect_id, CommandResult(ok=True), CONFIG)
     assert ok.state is not None and not ok.state.refused
     _, commands = _apply(ok.state, wf_phase(common_pb2.EXECUTION_COMPLETED, at=4))
     assert [type(c) for c in commands] == [Deprovision]
@@ -346,7 +346,7 @@ def test_an_agent_recover_clears_the_error_even_when_its_session_ensure_fails() 
     )  # fmt: skip
     state, _ = _apply(state, recover)
     assert state.status_error == ""
-    out = complete_effect(state, state.pending[0].command_id, CommandResult(ok=False, error="quota"), CONFIG)
+    out = complete_effect(state, state.pending[0].effect_id, CommandResult(ok=False, error="quota"), CONFIG)
     assert out.state is not None and out.state.status_error == ""  # no pre-stamp: upstream clears after
     (failed,) = out.outputs
     assert isinstance(failed, outcomes_pb2.SandboxFailed) and not failed.critical
@@ -498,4 +498,6 @@ def test_an_agent_phase_change_naming_another_session_is_refused() -> None:
         new_phase=common_pb2.EXECUTION_COMPLETED,
     )  # fmt: skip
     decision = decide(event, StateView(state), CONFIG)
-    assert decision.reject == "phase-changed session_id 'ses_9' does not match the execution's session 'ses_1'"
+    assert (
+        decision.reject == "phase-changed session_id 'ses_9' does not match the execution's session 'ses_1'"
+    )

@@ -4,7 +4,7 @@ completed one by one later, with the same outcomes as the synchronous path and n
 from __future__ import annotations
 
 from consumers.lanes.commands import CommandResult, Deprovision, Ensure, LaneConfig, StateView
-from consumers.lanes.outbox import command_id, new_effects, pending_of
+from consumers.lanes.outbox import effect_id_of, new_effects, pending_of
 from consumers.lanes.rules import complete, complete_effect, decide
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
@@ -64,8 +64,8 @@ def test_a_decision_writes_its_driver_calls_as_pending_entries_with_deterministi
     ((effect_id, command),) = new_effects(decision)
     # uuid5(6f1d3c2e-5b7a-4e0b-9a51-2f4c8d7e9b10, "evt-literal-1/Ensure/workflow"), written out.
     assert effect_id == "65c86efd-6eb0-54a7-9bad-1dc0384a7ac9"
-    assert command_id("evt-literal-1", decision.commands[0]) == effect_id
-    assert command_id("evt-literal-1", Deprovision("session", "ses_1", 0)) == (
+    assert effect_id_of("evt-literal-1", decision.commands[0]) == effect_id
+    assert effect_id_of("evt-literal-1", Deprovision("session", "ses_1", 0)) == (
         "e8fbbaaf-1baf-574e-9191-474b66c7caae"
     )
     assert command == decision.commands[0]

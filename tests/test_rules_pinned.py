@@ -141,7 +141,7 @@ def run(
         while completed < len(commands) and (schedule is None or schedule[completed] <= i):
             entry = state.pending[0]
             result = results.get(entry.causation_id, OK)
-            outcome = complete_effect(state, entry.command_id, result, CONFIG)
+            outcome = complete_effect(state, entry.effect_id, result, CONFIG)
             assert outcome.state is not None
             state = outcome.state
             outputs += outcome.outputs
@@ -244,7 +244,7 @@ def test_errors_that_arrive_while_the_session_ensure_is_out_wait_for_it_first_ke
         state = decide(event, StateView(state), CONFIG).state
     assert state is not None
     assert (state.status_error, state.deferred_status_error) == ("", "first")
-    out = complete_effect(state, state.pending[0].command_id, OK, CONFIG)
+    out = complete_effect(state, state.pending[0].effect_id, OK, CONFIG)
     assert out.state is not None and (out.state.status_error, out.state.deferred_status_error) == (
         "first",
         "",
@@ -354,7 +354,7 @@ def test_token_minted_is_what_the_edge_reported(lane: str, minted: bool) -> None
     (sync,) = complete(decide(created, StateView(None), CONFIG), [result], CONFIG).outputs
     state = decide(created, StateView(None), CONFIG).state
     assert state is not None
-    (later,) = complete_effect(state, state.pending[0].command_id, result, CONFIG).outputs
+    (later,) = complete_effect(state, state.pending[0].effect_id, result, CONFIG).outputs
     for out in (sync, later):
         assert isinstance(out, outcomes_pb2.SandboxProvisioned)
         assert out.token_minted is minted and out.probe_state == "stopped"
@@ -391,7 +391,7 @@ def test_a_session_ensure_and_its_outcome_have_literal_ids() -> None:
     decision = decide(created, StateView(None), CONFIG)
     assert decision.state is not None
     (entry,) = decision.state.pending
-    assert entry.command_id == "b073b635-e018-5482-a6cc-a994e2f574f9"
+    assert entry.effect_id == "b073b635-e018-5482-a6cc-a994e2f574f9"
     ok = CommandResult(ok=True, probe_state="running", token_minted=True)
     (out,) = complete(decision, [ok], CONFIG).outputs
     want = outcomes_pb2.SandboxProvisioned(
@@ -420,7 +420,7 @@ def test_a_refused_workflow_ensure_has_a_literal_id_and_outcome() -> None:
     created = wf_created("evt-literal-1", ts(1_750_000_000))
     created.execution_id = "wfx_lit"
     decision = decide(created, StateView(None), CONFIG)
-    assert decision.state is not None and decision.state.pending[0].command_id == (
+    assert decision.state is not None and decision.state.pending[0].effect_id == (
         "65c86efd-6eb0-54a7-9bad-1dc0384a7ac9"
     )
     outcome = complete(decision, [fail("no capacity")], CONFIG)
@@ -475,7 +475,7 @@ def test_the_pre_stamp_never_overwrites_an_existing_error() -> None:
     seeded.CopyFrom(state)
     seeded.status_error = "the real root cause"
     for start, want in ((seeded, "the real root cause"), (state, PREFIX + "second failure")):
-        out = complete_effect(start, start.pending[0].command_id, fail("second failure"), CONFIG)
+        out = complete_effect(start, start.pending[0].effect_id, fail("second failure"), CONFIG)
         assert out.state is not None and out.state.status_error == want
         (failed,) = out.outputs
         assert isinstance(failed, outcomes_pb2.SandboxFailed)

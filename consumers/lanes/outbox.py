@@ -10,8 +10,8 @@ from events.codec import InputEvent, derived_event_id
 from events.sandbox_lanes.v1 import inputs_pb2, state_pb2
 
 
-def command_id(causation_id: str, command: Command) -> str:
-    """The deterministic id of a driver call: one per (input event, operation, scope)."""
+def effect_id_of(causation_id: str, command: Command) -> str:
+    """The deterministic id of an effect: one per (input event, operation, scope)."""
     kind = "Ensure" if isinstance(command, Ensure) else "Deprovision"
     return derived_event_id(causation_id, kind, command.scope)
 
@@ -22,7 +22,7 @@ def fill_pending(state: state_pb2.ExecutionState, event: InputEvent, commands: t
     causation_id = meta.event_id
     for command in commands:
         entry = state.pending.add()
-        entry.command_id = command_id(causation_id, command)
+        entry.effect_id = effect_id_of(causation_id, command)
         entry.scope = SCOPE_ENUM[command.scope]  # type: ignore[assignment]
         entry.sandbox_id = command.sandbox_id
         entry.causation_id = causation_id
@@ -65,10 +65,10 @@ def command_of(entry: state_pb2.PendingEffect) -> Command:
 
 
 def pending_of(state: state_pb2.ExecutionState | None) -> list[tuple[str, Command]]:
-    """The state's outstanding driver calls, in decision order, as ``(command id, command)``."""
+    """The state's outstanding driver calls, in decision order, as ``(effect id, command)``."""
     if state is None:
         return []
-    return [(entry.command_id, command_of(entry)) for entry in state.pending]
+    return [(entry.effect_id, command_of(entry)) for entry in state.pending]
 
 
 def new_effects(decision: Decision) -> list[tuple[str, Command]]:
@@ -77,4 +77,4 @@ def new_effects(decision: Decision) -> list[tuple[str, Command]]:
     if n == 0 or decision.state is None:
         return []
     entries = decision.state.pending[-n:]
-    return [(entry.command_id, command) for entry, command in zip(entries, decision.commands, strict=True)]
+    return [(entry.effect_id, command) for entry, command in zip(entries, decision.commands, strict=True)]

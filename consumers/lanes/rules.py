@@ -52,7 +52,7 @@ from consumers.lanes.dispatch import (
     resolve_activity_task_queue,
     resolve_workflow_task_queue,
 )
-from consumers.lanes.outbox import command_id, command_of, fill_pending
+from consumers.lanes.outbox import command_of, effect_id_of, fill_pending
 from drivers.contract import SandboxScope
 from drivers.naming import sandbox_base_name
 from events.codec import InputEvent, OutcomeEvent, derived_event_id
@@ -357,7 +357,7 @@ def complete(decision: Decision, results: Sequence[CommandResult], config: LaneC
     outputs: list[OutcomeEvent] = []
     causation_id = decision.event.meta.event_id
     for command, result in zip(commands, results, strict=True):
-        out, more_logs = _fold(state, command_id(causation_id, command), result, config)
+        out, more_logs = _fold(state, effect_id_of(causation_id, command), result, config)
         if out is not None:
             outputs.append(out)
         if more_logs:
@@ -373,7 +373,7 @@ def complete_effect(
     Not pending (already completed, by this pod or the partition's previous owner): nothing to
     write, ``Outcome(None, (), ())`` — which is what makes the outcome exist exactly once.
     """
-    if not any(entry.command_id == effect_id for entry in state.pending):
+    if not any(entry.effect_id == effect_id for entry in state.pending):
         return Outcome(None, (), ())
     new = state_pb2.ExecutionState()
     new.CopyFrom(state)
@@ -385,7 +385,7 @@ def _fold(
     state: state_pb2.ExecutionState, effect_id: str, result: CommandResult, config: LaneConfig
 ) -> tuple[OutcomeEvent | None, tuple[LogIntent, ...]]:
     pending = state.pending
-    index = next((i for i, e in enumerate(pending) if e.command_id == effect_id), -1)
+    index = next((i for i, e in enumerate(pending) if e.effect_id == effect_id), -1)
     if index < 0:
         return None, ()
     entry = pending[index]

@@ -103,7 +103,7 @@ Global___SandboxStatus: _TypeAlias = SandboxStatus  # noqa: Y015
 class PendingEffect(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    COMMAND_ID_FIELD_NUMBER: _builtins.int
+    EFFECT_ID_FIELD_NUMBER: _builtins.int
     OP_FIELD_NUMBER: _builtins.int
     SCOPE_FIELD_NUMBER: _builtins.int
     SANDBOX_ID_FIELD_NUMBER: _builtins.int
@@ -119,7 +119,7 @@ class PendingEffect(_message.Message):
     MINT_ORG_FIELD_NUMBER: _builtins.int
     MINT_CALLER_IDENTITY_ID_FIELD_NUMBER: _builtins.int
     RECOVER_FIELD_NUMBER: _builtins.int
-    command_id: _builtins.str
+    effect_id: _builtins.str
     """Deterministic: derived_event_id(causation_id, "Ensure" | "Deprovision", scope)."""
     op: Global___EffectOp.ValueType
     scope: _common_pb2.SandboxScope.ValueType
@@ -143,7 +143,7 @@ class PendingEffect(_message.Message):
     def __init__(
         self,
         *,
-        command_id: _builtins.str = ...,
+        effect_id: _builtins.str = ...,
         op: Global___EffectOp.ValueType = ...,
         scope: _common_pb2.SandboxScope.ValueType = ...,
         sandbox_id: _builtins.str = ...,
@@ -162,7 +162,7 @@ class PendingEffect(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["occurred_at", b"occurred_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_class", b"caller_class", "causation_id", b"causation_id", "command_id", b"command_id", "critical", b"critical", "mint_caller_identity_id", b"mint_caller_identity_id", "mint_execution_id", b"mint_execution_id", "mint_org", b"mint_org", "mint_scope", b"mint_scope", "mint_session_id", b"mint_session_id", "occurred_at", b"occurred_at", "op", b"op", "phase", b"phase", "recover", b"recover", "sandbox_id", b"sandbox_id", "scope", b"scope", "task_queue", b"task_queue"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_class", b"caller_class", "causation_id", b"causation_id", "critical", b"critical", "effect_id", b"effect_id", "mint_caller_identity_id", b"mint_caller_identity_id", "mint_execution_id", b"mint_execution_id", "mint_org", b"mint_org", "mint_scope", b"mint_scope", "mint_session_id", b"mint_session_id", "occurred_at", b"occurred_at", "op", b"op", "phase", b"phase", "recover", b"recover", "sandbox_id", b"sandbox_id", "scope", b"scope", "task_queue", b"task_queue"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
