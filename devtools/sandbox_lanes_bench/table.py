@@ -5,26 +5,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from consumers.tools.bench.common import GOALS
+from sandbox_lanes_bench.cells import cells, fmt, goal
+from sandbox_lanes_bench.common import GOALS
 
 logger = logging.getLogger("sandbox_lanes.bench")
 
 
 # --- the table ----------------------------------------------------------------------------------
-
-
-def fmt(value: float, unit: str = "") -> str:
-    if value >= 100:
-        text = f"{value:,.0f}"
-    elif value >= 10:
-        text = f"{value:.1f}"
-    else:
-        text = f"{value:.2f}"
-    return f"{text}{unit}"
-
-
-def cells(s: dict[str, Any], unit: str = "") -> tuple[str, str]:
-    return fmt(s["median"], unit), f"{fmt(s['min'], unit)}-{fmt(s['max'], unit)}"
 
 
 def render_table(doc: dict[str, Any]) -> str:
@@ -112,7 +99,7 @@ def render_table(doc: dict[str, Any]) -> str:
         if "error" in peers:
             err("8. peers", peers)
         else:
-            from consumers.tools.bench.peers_figure import report_rows as peer_rows
+            from sandbox_lanes_bench.peers_figure import report_rows as peer_rows
 
             rows.extend(peer_rows(peers))
     for key, title, module in (
@@ -125,11 +112,11 @@ def render_table(doc: dict[str, Any]) -> str:
         if "error" in fig:
             err(title, fig)
         elif module == "peers_latency":
-            from consumers.tools.bench.peers_latency import report_rows as latency_rows
+            from sandbox_lanes_bench.peers_latency import report_rows as latency_rows
 
             rows.extend(latency_rows(fig))
         else:
-            from consumers.tools.bench.slow_driver import report_rows as slow_rows
+            from sandbox_lanes_bench.slow_driver import report_rows as slow_rows
 
             rows.extend(slow_rows(fig))
     burst = figs.get("burst")
@@ -137,7 +124,7 @@ def render_table(doc: dict[str, Any]) -> str:
         if "error" in burst:
             err("7. burst", burst)
         else:
-            from consumers.tools.bench.burst import report_rows
+            from sandbox_lanes_bench.burst import report_rows
 
             rows.extend(report_rows(burst))
     retention = figs.get("retention")
@@ -145,7 +132,7 @@ def render_table(doc: dict[str, Any]) -> str:
         if "error" in retention:
             err("9. retention", retention)
         else:
-            from consumers.tools.bench.retention import report_rows as retention_rows
+            from sandbox_lanes_bench.retention import report_rows as retention_rows
 
             rows.extend(retention_rows(retention))
     m = doc["meta"]["machine"]
@@ -159,14 +146,10 @@ def render_table(doc: dict[str, Any]) -> str:
     ]
     lines.extend(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows)
     if retention is not None and "error" not in retention:
-        from consumers.tools.bench.retention import wave_table
+        from sandbox_lanes_bench.retention import wave_table
 
         lines += ["", *wave_table(retention)]
     return "\n".join(lines)
-
-
-def goal(met: bool, text: str) -> str:
-    return f"{text} {'met' if met else 'MISSED'}"
 
 
 def _quix_restore_rows(quix: dict[str, Any] | None, size: str, label: str) -> list[tuple[str, str, str, str]]:

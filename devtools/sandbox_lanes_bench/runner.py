@@ -17,13 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from consumers.tools.bench.common import FIGURES, OPT_IN, STATE_COMPRESSION, machine, versions
-from consumers.tools.bench.drivers import measure_drivers
-from consumers.tools.bench.latency import measure_latency
-from consumers.tools.bench.restore import measure_restore
-from consumers.tools.bench.rules import measure_rules
-from consumers.tools.bench.table import render_table
-from consumers.tools.bench.throughput import measure_throughput
+from sandbox_lanes_bench.common import FIGURES, OPT_IN, STATE_COMPRESSION, machine, versions
+from sandbox_lanes_bench.drivers import measure_drivers
+from sandbox_lanes_bench.latency import measure_latency
+from sandbox_lanes_bench.restore import measure_restore
+from sandbox_lanes_bench.rules import measure_rules
+from sandbox_lanes_bench.table import render_table
+from sandbox_lanes_bench.throughput import measure_throughput
 
 logger = logging.getLogger("sandbox_lanes.bench")
 
@@ -53,13 +53,13 @@ def _sizes_one(text: str) -> int:
 
 
 def _latency_rates(text: str) -> dict[str, float]:
-    from consumers.tools.bench.peers_latency import parse_rates
+    from sandbox_lanes_bench.peers_latency import parse_rates
 
     return parse_rates(text)
 
 
 def _latency_range(text: str) -> tuple[float, float]:
-    from consumers.tools.bench.slow_driver import latency_range
+    from sandbox_lanes_bench.slow_driver import latency_range
 
     return latency_range(text)
 
@@ -189,30 +189,30 @@ async def _main(args: argparse.Namespace, bootstrap: str | None, only: set[str])
                         name, functools.partial(measure_latency, args, bootstrap, pod_rate, show, guarantee)
                     )
         if "peers" in only:
-            from consumers.tools.bench.peers_figure import measure_peers
+            from sandbox_lanes_bench.peers_figure import measure_peers
 
             await timed("peers", lambda: measure_peers(args, bootstrap, show))
         if "peers_latency" in only:
-            from consumers.tools.bench.peers_latency import measure_peers_latency
+            from sandbox_lanes_bench.peers_latency import measure_peers_latency
 
             await timed(
                 "peers_latency", lambda: measure_peers_latency(args, bootstrap, show, figures.get("peers"))
             )
         if "slow_driver" in only:
-            from consumers.tools.bench.slow_driver import measure_slow_driver
+            from sandbox_lanes_bench.slow_driver import measure_slow_driver
 
             await timed("slow_driver", lambda: measure_slow_driver(args, bootstrap, show))
         if "restore" in only:
             await timed("restore", lambda: measure_restore(args, bootstrap, show))
-            from consumers.tools.bench.peers_restore import measure_quix_restore
+            from sandbox_lanes_bench.peers_restore import measure_quix_restore
 
             await timed("restore_quix", lambda: measure_quix_restore(args, bootstrap, show))
         if "burst" in only:
-            from consumers.tools.bench.burst import measure_burst
+            from sandbox_lanes_bench.burst import measure_burst
 
             await timed("burst", lambda: measure_burst(args, bootstrap, show))
         if "retention" in only:
-            from consumers.tools.bench.retention import measure_retention
+            from sandbox_lanes_bench.retention import measure_retention
 
             await timed("retention", lambda: measure_retention(args, bootstrap, show))
     if "drivers" in only:
@@ -273,15 +273,7 @@ def _run(args: argparse.Namespace, only: set[str], needs_kafka: bool) -> int:
     broker = None
     bootstrap = args.bootstrap
     if needs_kafka and bootstrap is None:
-        try:
-            from harness.kafka_broker import DEFAULT_JVM_OPTS, KAFKA_VERSION, KafkaBroker
-        except ModuleNotFoundError:
-            print(
-                "sandbox-lanes bench: starting its own Apache Kafka needs the dev harness (a checkout set up "
-                "by scripts/bootstrap.sh); otherwise pass --bootstrap HOST:PORT",
-                file=sys.stderr,
-            )
-            return 2
+        from harness.kafka_broker import DEFAULT_JVM_OPTS, KAFKA_VERSION, KafkaBroker
 
         broker = KafkaBroker()
         print("starting Apache Kafka for the bench …", file=sys.stderr)

@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import (
+from sandbox_lanes_bench.common import (
     STATE_COMPRESSION,
     created_event,
     delete_topics,

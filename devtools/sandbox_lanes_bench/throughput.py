@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import (
+from sandbox_lanes_bench.common import (
     create_topic,
     delete_topics,
     prepared_inputs,

@@ -18,11 +18,12 @@ import uuid
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import delete_topics, lane_env, memory_provisioner, pct, summary
-from consumers.tools.bench.latency import latency_run
-from consumers.tools.bench.peers_figure import SYSTEMS as PEER_SYSTEMS
-from consumers.tools.bench.peers_figure import installed, peer_internal_topics
-from consumers.tools.bench.peers_latency import running_system
+from sandbox_lanes_bench.cells import cells
+from sandbox_lanes_bench.common import delete_topics, lane_env, memory_provisioner, pct, summary
+from sandbox_lanes_bench.latency import latency_run
+from sandbox_lanes_bench.peers_figure import SYSTEMS as PEER_SYSTEMS
+from sandbox_lanes_bench.peers_figure import installed, peer_internal_topics
+from sandbox_lanes_bench.peers_latency import running_system
 
 logger = logging.getLogger("sandbox_lanes.bench")
 
@@ -126,8 +127,6 @@ def _rate(result: dict[str, Any], n: int) -> float:
 
 
 def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    from consumers.tools.bench.table import cells
-
     rows: list[tuple[str, str, str, str]] = []
     first = True
     n = fig["events"]

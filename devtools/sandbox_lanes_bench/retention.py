@@ -42,7 +42,7 @@ import uuid
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import (
+from sandbox_lanes_bench.common import (
     create_topic,
     create_topics,
     created_event,
@@ -141,7 +141,7 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
     from aiokafka import AIOKafkaProducer
 
     from consumers.ops.settings import load_settings
-    from consumers.tools.bench.common import memory_provisioner, running_pod
+    from sandbox_lanes_bench.common import memory_provisioner, running_pod
 
     env: dict[str, str] = spec["env"]
     n: int = spec["wave_size"]

@@ -28,8 +28,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import created_event, lane_env, memory_provisioner, pct, running_pod
-from consumers.tools.bench.drivers import docker_engine
+from sandbox_lanes_bench.common import created_event, lane_env, memory_provisioner, pct, running_pod
+from sandbox_lanes_bench.drivers import docker_engine
 
 logger = logging.getLogger("sandbox_lanes.bench")
 
@@ -256,7 +256,7 @@ async def measure_burst(args: Any, bootstrap: str, show: bool) -> dict[str, Any]
         logger.error("docker burst failed", extra={"error": str(exc)})
         out["docker"] = {"error": f"{type(exc).__name__}: {exc}"}
     if args.burst_k8s_n > 0:
-        from consumers.tools.bench.kube_burst import kubernetes_burst
+        from sandbox_lanes_bench.kube_burst import kubernetes_burst
 
         try:
             k8s = await kubernetes_burst(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from consumers.tools.bench.peers.job import arguments, new_state
+from sandbox_lanes_bench.peers.job import arguments, new_state
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import pct
+from sandbox_lanes_bench.common import pct
 
 logger = logging.getLogger("sandbox_lanes.bench")
 
@@ -95,13 +95,7 @@ async def docker_engine(args: argparse.Namespace) -> AsyncIterator[tuple[str, st
     if args.docker_host is not None and args.docker_image:
         yield args.docker_host, args.docker_image, False
         return
-    try:
-        from harness.dockerd import DEFAULT_TAG, Dockerd
-    except ModuleNotFoundError as exc:
-        raise RuntimeError(
-            "a private Docker engine needs the dev harness (a checkout set up by scripts/bootstrap.sh); "
-            "otherwise pass --docker-host and --docker-image"
-        ) from exc
+    from harness.dockerd import DEFAULT_TAG, Dockerd  # the dev harness: the same distribution as the bench
 
     loop = asyncio.get_running_loop()
     image = args.docker_image or DEFAULT_TAG

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import (
+from sandbox_lanes_bench.cells import cells, goal
+from sandbox_lanes_bench.common import (
     create_topic,
     delete_topics,
     kafka_admin,
@@ -37,12 +38,12 @@ from consumers.tools.bench.common import (
 SYSTEMS: tuple[tuple[str, str, str | None], ...] = (
     ("pod", "exactly_once", None),
     ("pod", "at_least_once", None),
-    ("quix", "exactly_once", "consumers.tools.bench.peers.quix_app"),
-    ("quix", "at_least_once", "consumers.tools.bench.peers.quix_app"),
-    ("faust", "exactly_once", "consumers.tools.bench.peers.faust_app"),
-    ("faust", "at_least_once", "consumers.tools.bench.peers.faust_app"),
-    ("confluent", "exactly_once", "consumers.tools.bench.peers.confluent_pipe"),
-    ("pod-rules-confluent", "exactly_once", "consumers.tools.bench.peers.pod_rules_confluent"),
+    ("quix", "exactly_once", "sandbox_lanes_bench.peers.quix_app"),
+    ("quix", "at_least_once", "sandbox_lanes_bench.peers.quix_app"),
+    ("faust", "exactly_once", "sandbox_lanes_bench.peers.faust_app"),
+    ("faust", "at_least_once", "sandbox_lanes_bench.peers.faust_app"),
+    ("confluent", "exactly_once", "sandbox_lanes_bench.peers.confluent_pipe"),
+    ("pod-rules-confluent", "exactly_once", "sandbox_lanes_bench.peers.pod_rules_confluent"),
 )
 PEER_DISTS = {
     "quix": "quixstreams",
@@ -276,8 +277,6 @@ async def peer_internal_topics(bootstrap: str, tag: str) -> list[str]:
 
 
 def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    from consumers.tools.bench.table import cells, goal
-
     rows: list[tuple[str, str, str, str]] = []
     labels = {
         "pod": "this pod",

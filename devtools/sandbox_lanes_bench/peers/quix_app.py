@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from consumers.tools.bench.peers.job import arguments, inline_ensure, new_state
+from sandbox_lanes_bench.peers.job import arguments, inline_ensure, new_state
 
 
 def main() -> None:

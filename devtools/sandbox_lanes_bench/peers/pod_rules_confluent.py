@@ -13,7 +13,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from consumers.tools.bench.peers.job import arguments, confluent_clients
+from sandbox_lanes_bench.peers.job import arguments, confluent_clients
 
 
 def main() -> None:
@@ -21,9 +21,9 @@ def main() -> None:
 
     from consumers.lanes.commands import CommandResult, StateView
     from consumers.lanes.rules import complete, decide
-    from consumers.tools.bench.common import bench_lane_config
     from events.codec import decode_input, encode, state_key
     from events.sandbox_lanes.v1 import state_pb2
+    from sandbox_lanes_bench.common import bench_lane_config
 
     args = arguments(__doc__ or "")
     config = bench_lane_config()

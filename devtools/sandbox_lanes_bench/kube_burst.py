@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import pct
+from sandbox_lanes_bench.common import pct
 
 logger = logging.getLogger("sandbox_lanes.bench")
 
@@ -46,13 +46,8 @@ async def kube_cluster(args: Any) -> AsyncIterator[tuple[str, str, str, Any]]:
             raise RuntimeError("--kubeconfig needs --runner-image (an image the cluster can run)")
         yield args.kubeconfig, args.runner_image, "given cluster", None
         return
-    try:
-        from harness.kube_node import RUNNER_IMAGE, KubeNode
-    except ModuleNotFoundError as exc:
-        raise RuntimeError(
-            "a private single-node cluster needs the dev harness (a checkout set up by"
-            " scripts/bootstrap.sh); otherwise pass --kubeconfig and --runner-image"
-        ) from exc
+    from harness.kube_node import RUNNER_IMAGE, KubeNode
+
     loop = asyncio.get_running_loop()
     node = KubeNode()
     await loop.run_in_executor(None, node.start)

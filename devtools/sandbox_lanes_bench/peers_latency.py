@@ -25,10 +25,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import create_topic, create_topics, delete_topics, lane_env, running_pod
-from consumers.tools.bench.latency import latency_run, latency_summary, paced, spaced
-from consumers.tools.bench.peers_figure import CHANGELOG_CONFIG, installed, peer_internal_topics, peer_process
-from consumers.tools.bench.peers_figure import SYSTEMS as PEER_SYSTEMS
+from sandbox_lanes_bench.cells import fmt
+from sandbox_lanes_bench.common import create_topic, create_topics, delete_topics, lane_env, running_pod
+from sandbox_lanes_bench.latency import latency_run, latency_summary, paced, spaced
+from sandbox_lanes_bench.peers_figure import CHANGELOG_CONFIG, installed, peer_internal_topics, peer_process
+from sandbox_lanes_bench.peers_figure import SYSTEMS as PEER_SYSTEMS
 
 logger = logging.getLogger("sandbox_lanes.bench")
 
@@ -68,7 +69,7 @@ async def _throughputs(
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Each system's events/s and where it came from: --latency-rates, figure 8 of this run, or
     figure 8's machinery run here (one run per system)."""
-    from consumers.tools.bench.peers_figure import measure_peers
+    from sandbox_lanes_bench.peers_figure import measure_peers
 
     rates: dict[str, float] = dict(args.latency_rates)
     source = {name: "--latency-rates" for name in rates}
@@ -202,8 +203,6 @@ LABELS = {
 
 
 def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    from consumers.tools.bench.table import fmt
-
     rows: list[tuple[str, str, str, str]] = []
     first = True
     for system, _ in SYSTEMS:

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import bench_lane_config, created_event, summary
+from sandbox_lanes_bench.common import bench_lane_config, created_event, summary
 
 logger = logging.getLogger("sandbox_lanes.bench")
 

@@ -21,19 +21,19 @@ Figures (every one bounded, repeated ``--repeats`` times, reported as median and
    an error in its row; the other figures still run.
 7. ``burst``    — time to sandbox: N workflow creates at once through the pod with the memory driver
    at an injected latency, and with the docker driver next to the raw engine's own time for the
-   same containers (``consumers/tools/bench/burst.py``). Not in the default set (``--only burst``).
+   same containers (``devtools/sandbox_lanes_bench/burst.py``). Not in the default set (``--only burst``).
 8. ``peers``    — the pod next to Quix Streams, faust and confluent-kafka on the same job
-   (``consumers/tools/bench/peers_figure.py``).
+   (``devtools/sandbox_lanes_bench/peers_figure.py``).
 9. ``retention`` — bounded state: waves of workflow executions (create → COMPLETED) through a pod
    with a short ``SANDBOX_LANES_STATE_RETENTION_S`` and through one that keeps every state; per wave
    keys held, the pod's RSS and store bytes, and a fresh restore of the state topic, side by side as
-   ratios to the first wave (``consumers/tools/bench/retention.py``). Not in the default set
+   ratios to the first wave (``devtools/sandbox_lanes_bench/retention.py``). Not in the default set
    (``--only retention``).
 
 Without ``--bootstrap`` a fresh Apache Kafka broker (``devtools/harness/kafka_broker.py``) is started and
 stopped. The table is printed as markdown; ``--out`` gets the JSON (figures + machine + versions).
 """
 
-from consumers.tools.bench.runner import add_arguments, run
+from sandbox_lanes_bench.runner import add_arguments, run
 
 __all__ = ["add_arguments", "run"]

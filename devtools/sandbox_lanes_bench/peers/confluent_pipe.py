@@ -8,7 +8,7 @@ import json
 import signal
 from typing import Any
 
-from consumers.tools.bench.peers.job import arguments, confluent_clients, inline_ensure, new_state
+from sandbox_lanes_bench.peers.job import arguments, confluent_clients, inline_ensure, new_state
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 from consumers.ops.progress import progress
-from consumers.tools.bench.common import create_topic, delete_topics, prepared_inputs, summary
-from consumers.tools.bench.peers_figure import (
+from sandbox_lanes_bench.common import create_topic, delete_topics, prepared_inputs, summary
+from sandbox_lanes_bench.peers_figure import (
     SINK_CONFIG,
     installed,
     peer_command,
@@ -33,7 +33,7 @@ from consumers.tools.bench.peers_figure import (
     run_peer,
 )
 
-QUIX_MODULE = "consumers.tools.bench.peers.quix_app"
+QUIX_MODULE = "sandbox_lanes_bench.peers.quix_app"
 QUIX_RESTORE_MAX = 100_000
 BEGIN = "Beginning recovery check"
 DONE = "Recovery process complete"

@@ -1,4 +1,4 @@
-"""``python -m consumers.tools.bench`` = ``sandbox-lanes bench``."""
+"""``python -m sandbox_lanes_bench`` = ``sandbox-lanes bench``."""
 
 import sys
 
