@@ -22,7 +22,7 @@ BUILT_IN_SANDBOX_PROVISIONER_TYPES: Mapping[str, str] = {
     "local-process": "drivers.local_process:new_local_process_provisioner",
     "docker": "drivers.docker:new_docker_provisioner",
     "kubernetes": "drivers.kubernetes.driver:new_kubernetes_provisioner",
-    # Upstream's Era D replaced kubernetes with agent-sandbox; both are kept here (README: Deviations).
+    # Upstream's Era D replaced kubernetes with agent-sandbox; both are kept here (docs/rules.md: Deviations).
     "agent-sandbox": "drivers.agent_sandbox.driver:new_agent_sandbox_provisioner",
 }
 
@@ -41,7 +41,7 @@ _KUBE_OPTIONS = frozenset(
         "memory_limit",
     }
 )
-#: The ``SANDBOX_LANES_DRIVER_OPTIONS`` keys each built-in reads (its module docstring and README table
+#: The ``SANDBOX_LANES_DRIVER_OPTIONS`` keys each built-in reads (its module docstring and docs/drivers.md table
 #: say what they mean): any other key is a typo the settings refuse, never silently ignored.
 #: ``tests/test_config.py`` checks this table against the keys the drivers' sources read.
 BUILT_IN_OPTION_KEYS: Mapping[str, frozenset[str]] = {
