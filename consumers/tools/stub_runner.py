@@ -24,7 +24,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, on_term)
     queue = os.environ.get("STIGMER_TASK_QUEUE", "")
     token = "yes" if os.environ.get("STIGMER_TOKEN") else "no"
-    print(f"[stub-runner pid={os.getpid()}] polling {queue} (token: {token})", file=sys.stderr, flush=True)
+    # One write of the whole line: print() writes the text and its newline apart, and a pod that
+    # shares this stderr could land its own log line between the two.
+    os.write(2, f"[stub-runner pid={os.getpid()}] polling {queue} (token: {token})\n".encode())
     while not stopping:
         time.sleep(0.1)
     return 0
