@@ -22,6 +22,7 @@ from harness.agent_sandbox import AgentSandboxController
 from harness.kube_apiserver import KubeApiServer
 from harness.kube_node import RUNNER_IMAGE, KubeNode
 from kubernetes import client
+from prometheus_client import CollectorRegistry
 
 from consumers.ops.driver_background import start_driver_background
 from consumers.ops.reaper import start_periodic_reaper
@@ -539,8 +540,15 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
     ns = node_namespace
     config = node_driver_config(ns, kube_node.kubeconfig_path, warm_pool_size="2")  # async: the default
     driver = new_agent_sandbox_provisioner(config, LOG)
+    metrics = CollectorRegistry()  # the pool's metrics, as the pod binds them for /metrics
+    driver.bind_metrics(metrics)
     restarted_driver: AgentSandboxProvisioner | None = None
     assert driver.warm is not None and driver.warm.assignment == "async"
+
+    def launches(registry: CollectorRegistry, launch_type: str) -> float | None:
+        return registry.get_sample_value(
+            "sandbox_lanes_agent_sandbox_time_to_sandbox_seconds_count", {"launch_type": launch_type}
+        )
 
     def annotations(name: str) -> dict[str, str]:
         found: dict[str, str] = _claim(custom, ns, name)["metadata"].get("annotations") or {}
@@ -567,7 +575,7 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         assert (owner.kind, owner.name, owner.uid) == ("SandboxClaim", base, claim["metadata"]["uid"])
         await driver.warm.settled()
         assert annotations(base).get("stigmer.ai/assigned") == "true"
-        assert driver.warm.launches == {"warm": 1} and len(driver.warm.delivered_s) == 1
+        assert launches(metrics, "warm") == 1 and launches(metrics, "cold") is None  # one launch, timed
         adopted = _claim(custom, ns, base)["status"]["sandbox"]["name"]
         assert (
             await wait_for(
@@ -587,7 +595,7 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         assert await driver.ensure("workflow", execution, again) == "running"
         await driver.warm.settled()
         assert _arms(caplog)[-1] == "claimed"
-        assert driver.warm.launches == {"warm": 1} and len(driver.warm.delivered_s) == 1
+        assert launches(metrics, "warm") == 1 and launches(metrics, "cold") is None  # one launch, timed
 
         # 2. A driver that stops between an ensure and its delivery: the next one delivers the kept Secret.
         restarted = f"wfx_restart_{uuid.uuid4().hex[:8]}"
@@ -596,6 +604,8 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         await driver.close()  # the claim is not Ready yet: its delivery is cancelled
         assert "stigmer.ai/assigned" not in annotations(rbase)
         restarted_driver = new_agent_sandbox_provisioner(config, LOG)
+        restarted_metrics = CollectorRegistry()
+        restarted_driver.bind_metrics(restarted_metrics)
         assert restarted_driver.warm is not None
         assert await restarted_driver.warm.recover() == 1  # the assigned claim of step 1 is left alone
         await restarted_driver.warm.settled()
@@ -630,7 +640,12 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         await restarted_driver.ensure("workflow", missed, SandboxEnvironment(f"wfexec:{missed}", "tok.m"))
         await restarted_driver.warm.settled()
         assert _arms(caplog)[-2:] == ["warm-claimed", "created"], _arms(caplog)
-        assert restarted_driver.warm.missed == 1
+        assert (
+            restarted_metrics.get_sample_value(
+                "sandbox_lanes_agent_sandbox_adoption_misses_total", {"reason": "not ready in time"}
+            )
+            == 1
+        )
         cold = await wait_for("the cold runner", lambda: running_runner_pod(core, ns, missed))
         assert runner_process_env(core, ns, cold.metadata.name)["STIGMER_TOKEN"] == "tok.m"
         miss_base = sandbox_base_name("workflow", missed)

@@ -75,17 +75,27 @@ async def agent_sandbox_controller(node: Any) -> AsyncIterator[None]:
         await loop.run_in_executor(None, controller.stop)
 
 
-class RunningWatch:
-    """A watch on one namespace's pods: when each sandbox id's pod first reported Running."""
+class FirstSeen:
+    """A watch on one kind of object in one namespace: when (``time.perf_counter``) each sandbox id's
+    object was first seen meeting each named condition. ``list_objects(*args)`` is the API's list call
+    (the watch needs the call itself, not a partial: it reads the call's docstring for the type)."""
 
-    def __init__(self, api: Any, namespace: str) -> None:
-        self.api = api
-        self.namespace = namespace
-        self.running: dict[str, float] = {}
+    def __init__(
+        self,
+        list_objects: Callable[..., Any],
+        args: tuple[Any, ...],
+        sandbox_id: Callable[[Any], str | None],
+        conditions: dict[str, Callable[[Any], bool]],
+    ) -> None:
+        self._list = list_objects
+        self._args = args
+        self._sandbox_id = sandbox_id
+        self._conditions = conditions
+        self.seen: dict[str, dict[str, float]] = {name: {} for name in conditions}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-running-watch", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="bench-watch", daemon=True)
 
-    def __enter__(self) -> RunningWatch:
+    def __enter__(self) -> FirstSeen:
         self._thread.start()
         return self
 
@@ -93,27 +103,93 @@ class RunningWatch:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    async def reached(self, condition: str, ids: list[str], timeout_s: float) -> int:
+        """How many of ``ids`` were seen meeting ``condition``, waiting up to ``timeout_s`` for all."""
+        deadline = time.monotonic() + timeout_s
+        seen = self.seen[condition]
+        while any(i not in seen for i in ids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return sum(1 for i in ids if i in seen)
+
     def _run(self) -> None:
-        from kubernetes import client, watch
+        from kubernetes import watch
 
-        from drivers.naming import LABEL_SANDBOX_ID
-
-        core: Any = client.CoreV1Api(self.api)
         new_watch: Any = watch.Watch
         while not self._stop.is_set():
             stream: Any = new_watch()
             try:
-                for event in stream.stream(core.list_namespaced_pod, self.namespace, timeout_seconds=2):
-                    pod = event["object"]
-                    sandbox_id = (pod.metadata.labels or {}).get(LABEL_SANDBOX_ID)
-                    if sandbox_id and pod.status.phase == "Running":
-                        self.running.setdefault(sandbox_id, time.perf_counter())
+                for event in stream.stream(self._list, *self._args, timeout_seconds=2):
+                    obj = event["object"]
+                    now = time.perf_counter()
+                    sandbox_id = self._sandbox_id(obj)
+                    for name, met in self._conditions.items():
+                        if sandbox_id and met(obj):
+                            self.seen[name].setdefault(sandbox_id, now)
                     if self._stop.is_set():
                         break
-            except Exception as exc:  # a dropped watch is re-opened; the figure only needs the first Running
-                logger.debug("pod watch restarted", extra={"error": str(exc)})
+            except Exception as exc:  # a dropped watch is re-opened; the figures only need the first sight
+                logger.debug("watch restarted", extra={"error": str(exc)})
             finally:
                 stream.stop()
+
+
+def running_pods(api: Any, namespace: str) -> FirstSeen:
+    """When each sandbox id's pod first reported phase Running (``seen["running"]``)."""
+    from kubernetes import client
+
+    from drivers.naming import LABEL_SANDBOX_ID
+
+    core: Any = client.CoreV1Api(api)
+    return FirstSeen(
+        core.list_namespaced_pod,
+        (namespace,),
+        lambda pod: (pod.metadata.labels or {}).get(LABEL_SANDBOX_ID),
+        {"running": lambda pod: pod.status.phase == "Running"},
+    )
+
+
+def claims_assigned(api: Any, namespace: str) -> FirstSeen:
+    """When each sandbox id's SandboxClaim was first seen (``seen["created"]``) and first seen annotated
+    as holding its assignment (``seen["assigned"]``, the driver's ``stigmer.ai/assigned`` once the pod
+    has its secrets): the bench's own view of a warm delivery, from the Kubernetes objects."""
+    from kubernetes import client
+
+    from drivers.agent_sandbox.warm import ANNOTATION_ASSIGNED, CLAIMS, EXT_GROUP, EXT_VERSION
+    from drivers.naming import LABEL_SANDBOX_ID
+
+    custom: Any = client.CustomObjectsApi(api)
+
+    def meta(claim: Any) -> dict[str, Any]:
+        found: dict[str, Any] = claim.get("metadata") or {}
+        return found
+
+    return FirstSeen(
+        custom.list_namespaced_custom_object,
+        (EXT_GROUP, EXT_VERSION, namespace, CLAIMS),
+        lambda claim: (meta(claim).get("labels") or {}).get(LABEL_SANDBOX_ID),
+        {
+            "created": lambda claim: True,
+            "assigned": lambda claim: ANNOTATION_ASSIGNED in (meta(claim).get("annotations") or {}),
+        },
+    )
+
+
+def warm_counts(metrics: Any) -> tuple[dict[str, int], int]:
+    """Launches by type and adoption misses, from the warm pool's own metrics (``WarmPoolMetrics``: the
+    time-to-sandbox histogram's count per launch type, the misses counter). Each pod the bench starts
+    binds them to its registry afresh (as ``compose`` does for ``/metrics``): read them per pod."""
+    launches: dict[str, int] = {}
+    for family in metrics.time_to_sandbox.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_count") and sample.value:
+                launches[sample.labels["launch_type"]] = int(sample.value)
+    misses = sum(
+        int(sample.value)
+        for family in metrics.misses.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+    return launches, misses
 
 
 PodBurst = Callable[..., Awaitable[dict[str, Any]]]
@@ -204,14 +280,15 @@ async def _running_burst(
         running_ms: list[float] = []
         all_running_s = 0.0
         try:
-            with RunningWatch(api, namespace) as watch:
+            with running_pods(api, namespace) as watch:
+                running = watch.seen["running"]
 
                 async def until_running(ids: list[str], sent: dict[str, float]) -> None:
                     nonlocal all_running_s
                     deadline = time.monotonic() + RUNNING_TIMEOUT_S
                     shown = 0
                     with progress(f"{label} burst: runner pods Running", n, enabled=show) as bar:
-                        while (done := sum(1 for i in ids if i in watch.running)) < n:
+                        while (done := sum(1 for i in ids if i in running)) < n:
                             if time.monotonic() > deadline:
                                 raise TimeoutError(
                                     f"{done}/{n} runner pods Running in {RUNNING_TIMEOUT_S:.0f}s"
@@ -220,8 +297,8 @@ async def _running_burst(
                             shown = done
                             await asyncio.sleep(0.1)
                         bar.advance(n - shown)
-                    running_ms.extend((watch.running[i] - sent[i]) * 1000 for i in ids)
-                    all_running_s = max(watch.running[i] for i in ids) - min(sent.values())
+                    running_ms.extend((running[i] - sent[i]) * 1000 for i in ids)
+                    all_running_s = max(running[i] for i in ids) - min(sent.values())
 
                 result = await pod_burst(
                     env, provisioner, n, show, f"{label} burst of {n}", 900, after_provision=until_running
@@ -251,7 +328,8 @@ async def _warm_burst(
 ) -> dict[str, Any]:
     """A pool of N, filled; N creates through the pod claim from it (time to SandboxProvisioned
     committed = claim Ready + the secrets delivered); how fast the pool refills; then creates one
-    at a time on the refilled pool (what a single user waits)."""
+    at a time on the refilled pool (what a single user waits). Launches and misses are the pool's
+    metrics; claim created -> secrets held is the bench's watch on the claims."""
     from kubernetes import client
 
     from drivers.agent_sandbox.driver import new_agent_sandbox_provisioner
@@ -263,6 +341,18 @@ async def _warm_burst(
         warm = provisioner.warm
         assert warm is not None
         refill: dict[str, float] = {}
+        burst_ids: list[str] = []
+        sequential_ids: list[str] = []
+        launches: dict[str, int] = {}
+        misses = 0
+
+        def count_pod_metrics() -> None:
+            """Add the launches and misses of the pod that just ran (its registry, its counts)."""
+            nonlocal misses
+            pod_launches, pod_misses = warm_counts(warm.metrics)
+            for launch, count in pod_launches.items():
+                launches[launch] = launches.get(launch, 0) + count
+            misses += pod_misses
 
         async def until_full(timeout_s: float = RUNNING_TIMEOUT_S) -> float:
             started = time.monotonic()
@@ -273,59 +363,70 @@ async def _warm_burst(
             return time.monotonic() - started
 
         refilling: asyncio.Task[float] | None = None
-        try:
-            await warm.prepare()
-            fill_s = await until_full()
+        with claims_assigned(api, namespace) as claims:
+            try:
+                await warm.prepare()
+                fill_s = await until_full()
 
-            async def start_refill_clock(_ids: list[str], _sent: dict[str, float]) -> None:
-                nonlocal refilling
-                # warm_assignment=async: every runner gets its secrets before the burst is torn down
-                # (a deprovision cancels a delivery still running); the pool refills from there.
-                await warm.settled()
-                refill["from"] = time.monotonic()
-                refilling = asyncio.create_task(until_full())
+                async def start_refill_clock(ids: list[str], _sent: dict[str, float]) -> None:
+                    nonlocal refilling
+                    burst_ids.extend(ids)
+                    # warm_assignment=async: every runner gets its secrets before the burst is torn down
+                    # (a deprovision cancels a delivery still running); the pool refills from there.
+                    await warm.settled()
+                    refill["from"] = time.monotonic()
+                    refilling = asyncio.create_task(until_full())
 
-            result = await pod_burst(
-                env,
-                provisioner,
-                n,
-                show,
-                f"agent-sandbox warm burst of {n}",
-                900,
-                after_provision=start_refill_clock,
-            )
-            assert refilling is not None
-            refill_s = await refilling
-            burst_assigned = list(warm.delivered_s)
-            core: Any = client.CoreV1Api(api)
+                result = await pod_burst(
+                    env,
+                    provisioner,
+                    n,
+                    show,
+                    f"agent-sandbox warm burst of {n}",
+                    900,
+                    after_provision=start_refill_clock,
+                )
+                count_pod_metrics()
+                assert refilling is not None
+                refill_s = await refilling
+                core: Any = client.CoreV1Api(api)
 
-            def settled() -> bool:
-                """No pod of the burst still terminating: what a single user meets on a quiet node."""
-                pods = core.list_namespaced_pod(namespace).items
-                return not any(pod.metadata.deletion_timestamp for pod in pods)
+                def settled() -> bool:
+                    """No pod of the burst still terminating: what a single user meets on a quiet node."""
+                    pods = core.list_namespaced_pod(namespace).items
+                    return not any(pod.metadata.deletion_timestamp for pod in pods)
 
-            async def quiet_and_full() -> None:
-                await warm.settled()
-                await until_full()
-                while not await asyncio.to_thread(settled):
-                    await asyncio.sleep(0.2)
+                async def sequential(ids: list[str]) -> None:
+                    sequential_ids.extend(ids)
+                    await warm.settled()  # the last one's delivery too
 
-            one_by_one = await pod_burst(
-                sequential_env,
-                provisioner,
-                min(SEQUENTIAL_WARM, n),
-                show,
-                "agent-sandbox warm, one at a time",
-                600,
-                one_at_a_time=True,
-                before_each=quiet_and_full,
-                after_provision=lambda _ids, _sent: warm.settled(),  # the last one's delivery too
-            )
-            sequential_assigned = warm.delivered_s[len(burst_assigned) :]
-        finally:
-            if refilling is not None and not refilling.done():
-                refilling.cancel()
-            await provisioner.close()
+                async def quiet_and_full() -> None:
+                    await warm.settled()
+                    await until_full()
+                    while not await asyncio.to_thread(settled):
+                        await asyncio.sleep(0.2)
+
+                one_by_one = await pod_burst(
+                    sequential_env,
+                    provisioner,
+                    min(SEQUENTIAL_WARM, n),
+                    show,
+                    "agent-sandbox warm, one at a time",
+                    600,
+                    one_at_a_time=True,
+                    before_each=quiet_and_full,
+                    after_provision=lambda ids, _sent: sequential(ids),
+                )
+                count_pod_metrics()
+                # Every delivery has ended; a missed claim (gone cold) is never annotated: no long wait.
+                await claims.reached("assigned", burst_ids + sequential_ids, timeout_s=10)
+            finally:
+                if refilling is not None and not refilling.done():
+                    refilling.cancel()
+                await provisioner.close()
+    created, assigned = claims.seen["created"], claims.seen["assigned"]
+    burst_assigned = [assigned[i] - created[i] for i in burst_ids if i in assigned and i in created]
+    sequential_assigned = [assigned[i] - created[i] for i in sequential_ids if i in assigned and i in created]
     result.update(
         pool_fill_seconds=fill_s,
         pool_refill_seconds=refill_s,
@@ -333,10 +434,11 @@ async def _warm_burst(
         sequential_n=one_by_one["n"],
         sequential_p50_ms=one_by_one["time_to_sandbox_p50_ms"],
         sequential_p99_ms=one_by_one["time_to_sandbox_p99_ms"],
-        launches=dict(warm.launches),
-        adoption_misses=warm.missed,
+        launches=launches,
+        adoption_misses=misses,
         assignment=warm.assignment,
-        # claim created -> the runner holds its secrets (the delivery behind the outcome, async)
+        # claim created -> the runner holds its secrets (the delivery behind the outcome, async): both
+        # as the bench's watch first saw them (the claim, then its stigmer.ai/assigned annotation)
         assigned_p50_ms=pct(burst_assigned, 50) * 1000,
         assigned_p99_ms=pct(burst_assigned, 99) * 1000,
         sequential_assigned_p50_ms=pct(sequential_assigned, 50) * 1000,

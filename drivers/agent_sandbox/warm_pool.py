@@ -131,15 +131,10 @@ class WarmPool:
         self.assignment = assignment
         #: Delivery tasks by claim name (``async``): cancelled by a deprovision and by ``close``.
         self._deliveries: dict[str, asyncio.Task[None]] = {}
-        #: Seconds from claim created to secrets delivered, per delivery (the bench's figure).
-        self.delivered_s: list[float] = []
         self.name = pool_name(driver.config)
         self._applied = False
         self._apply_lock = asyncio.Lock()
         self.metrics = WarmPoolMetrics()
-        #: Claims by launch type, and misses, since start (the bench's figures; metrics carry the same).
-        self.launches: dict[str, int] = {}
-        self.missed = 0
 
     def bind_metrics(self, registry: CollectorRegistry) -> None:
         self.metrics = WarmPoolMetrics(registry)
@@ -297,7 +292,6 @@ class WarmPool:
             return None
         launch = str(((sandbox.get("metadata") or {}).get("labels") or {}).get(LAUNCH_TYPE_LABEL) or "cold")
         self.metrics.time_to_sandbox.labels(launch).observe(time.monotonic() - started)
-        self.launches[launch] = self.launches.get(launch, 0) + 1
         return launch
 
     # -- warm_assignment=async ---------------------------------------------------------------------
@@ -430,17 +424,13 @@ class WarmPool:
                 if fallback is not None:
                     # A claim this ensure created: one launch, timed from its create. A delivery to
                     # a live claim again (a re-run ensure, a restart's recovery) is neither.
-                    took = time.monotonic() - started
-                    self.metrics.time_to_sandbox.labels(launch).observe(took)
-                    self.launches[launch] = self.launches.get(launch, 0) + 1
-                    self.delivered_s.append(took)
+                    self.metrics.time_to_sandbox.labels(launch).observe(time.monotonic() - started)
                 d.logger.info(
                     "agent-sandbox warm assignment delivered", extra={"sandbox": base, "launch": launch}
                 )
                 return
             if fallback is None:
                 self.metrics.misses.labels(reason).inc()
-                self.missed += 1
                 d.logger.error(
                     "agent-sandbox claim did not take its assignment (the next ensure delivers it again)",
                     extra={"sandbox": base, "reason": reason},
@@ -514,7 +504,6 @@ class WarmPool:
         """Count the miss and delete the claim, waiting until it is gone: the controller may have
         cold-created a Sandbox named ``base`` for it, which the caller's own create would meet."""
         self.metrics.misses.labels(reason).inc()
-        self.missed += 1
         await self.delete_claim(base)
         await self._gone(base)
 
