@@ -41,8 +41,9 @@ _KUBE_OPTIONS = frozenset(
         "memory_limit",
     }
 )
-#: The ``SANDBOX_LANES_DRIVER_OPTIONS`` keys each built-in reads (its module docstring and docs/drivers.md table
-#: say what they mean): any other key is a typo the settings refuse, never silently ignored.
+#: The ``SANDBOX_LANES_DRIVER_OPTIONS`` keys each built-in reads (its module docstring and
+#: docs/drivers.md's table say what they mean): any other key is a typo the settings refuse,
+#: never silently ignored.
 #: ``tests/test_config.py`` checks this table against the keys the drivers' sources read.
 BUILT_IN_OPTION_KEYS: Mapping[str, frozenset[str]] = {
     "local-process": frozenset({"state_dir", "grace_seconds"}),
