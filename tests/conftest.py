@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.pod_harness import PodProcess
-from tests.proc_util import processes_under
+from tests.support.pod_harness import PodProcess
+from tests.support.proc_util import processes_under
 
 pytest_plugins = [
-    "tests.fixtures.kafka",
-    "tests.fixtures.dockerd",
-    "tests.fixtures.kube",
-    "tests.fixtures.agent_sandbox",
+    "tests.support.fixtures.kafka",
+    "tests.support.fixtures.dockerd",
+    "tests.support.fixtures.kube",
+    "tests.support.fixtures.agent_sandbox",
 ]
 
 

@@ -1,7 +1,7 @@
 """docs/configuration.md, generated from ``SETTINGS``: the one place a setting is described is its row there.
 
 ``python -m consumers.ops.config_doc`` writes the file (run from the repository root, or give the path);
-``--check`` exits 1 when the file differs from what ``SETTINGS`` renders (``tests/test_config_doc.py``
+``--check`` exits 1 when the file differs from what ``SETTINGS`` renders (``tests/unit/test_config_doc.py``
 does the same comparison in the test suite).
 """
 
@@ -20,7 +20,7 @@ _HEAD = """\
 # Configuration
 
 <!-- Generated from SETTINGS in consumers/ops/settings.py by `python -m consumers.ops.config_doc`.
-     Edit a setting's row there, then run that command; tests/test_config_doc.py fails when they differ. -->
+     Edit a setting's row there, then run that command; tests/unit/test_config_doc.py checks it. -->
 
 Every knob comes from the environment (or a [config file](operations.md#config-file), which the
 environment overrides). An empty value counts as unset. A wrong value fails at start-up with a message

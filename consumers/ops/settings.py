@@ -53,7 +53,7 @@ class Setting:
 
 
 #: Every knob, in the order docs/configuration.md lists them (``python -m consumers.ops.config_doc``
-#: writes that file from this tuple; tests/test_config_doc.py fails when the two differ).
+#: writes that file from this tuple; tests/unit/test_config_doc.py fails when the two differ).
 SETTINGS: tuple[Setting, ...] = (
     Setting("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092", "Kafka bootstrap servers"),
     Setting(
