@@ -1,0 +1,57 @@
+"""librdkafka's errors in the pod's vocabulary: which a retry cures, which fence the writer.
+
+The real paths are on the broker (tests/integration/test_zombie_fencing.py: a fenced commit;
+tests/integration/test_bad_records.py: a record the dead-letter topic refuses for its size;
+tests/integration/test_kafka_security.py: a missing ACL); these pin the translation of each class.
+"""
+
+from __future__ import annotations
+
+import pytest
+from aiokafka.errors import (
+    MessageSizeTooLargeError,
+    OutOfOrderSequenceNumber,
+    ProducerFenced,
+    TopicAuthorizationFailedError,
+)
+from confluent_kafka import KafkaError, KafkaException
+
+from consumers.runtime.failures import is_deterministic
+from consumers.runtime.txn_producer import RecordRefused, TransactionError, translate
+
+
+def _raised(code: int) -> BaseException:
+    return translate(KafkaException(KafkaError(code, "from librdkafka")))
+
+
+@pytest.mark.parametrize(
+    "code", [KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH]
+)
+def test_every_fence_code_is_producer_fenced(code: int) -> None:
+    assert isinstance(_raised(code), ProducerFenced)
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "deterministic"),
+    [
+        (KafkaError.MSG_SIZE_TOO_LARGE, MessageSizeTooLargeError, True),
+        (KafkaError._INVALID_ARG, RecordRefused, True),
+        (KafkaError._BAD_MSG, RecordRefused, True),
+        (KafkaError.TOPIC_AUTHORIZATION_FAILED, TopicAuthorizationFailedError, False),
+        (KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, OutOfOrderSequenceNumber, False),
+        (KafkaError._MSG_TIMED_OUT, TransactionError, False),
+        (KafkaError._TRANSPORT, TransactionError, False),
+    ],
+)
+def test_a_record_refusal_is_deterministic_and_the_world_is_not(
+    code: int, cls: type[BaseException], deterministic: bool
+) -> None:
+    error = _raised(code)
+    assert type(error) is cls
+    assert is_deterministic(error) is deterministic
+    assert "from librdkafka" in str(error)
+
+
+def test_what_is_not_librdkafkas_passes_through() -> None:
+    error = ValueError("ours")
+    assert translate(error) is error
