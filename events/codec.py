@@ -28,7 +28,7 @@ CONTENT_TYPE: Final = "application/protobuf"
 TYPE_PREFIX: Final = "sandbox_lanes.v1."
 #: Payloads above this size are refused (dead-lettered), not parsed.
 MAX_PAYLOAD_BYTES: Final = 1 << 20
-#: An input event's payload limit. The state, outbox entries and outcomes an input produces
+#: An input event's payload limit. The state, effects and outcomes an input produces
 #: repeat its fields (an execution id up to 7 times), so an input of at most 64 KiB keeps every
 #: record derived from it under the producer's 1 MiB request limit; the pod also checks each
 #: derived record's size before it sends it (``consumers.runtime.record_limits``).

@@ -1,4 +1,4 @@
-"""The outbox in the execution state: each driver command of a decision becomes a pending entry with a
+"""The outbox in the execution state: each driver command of a decision becomes a pending effect with a
 deterministic id, re-run by whichever pod owns the partition until its result is folded back."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def effect_id_of(causation_id: str, command: Command) -> str:
 
 
 def fill_pending(state: state_pb2.ExecutionState, event: InputEvent, commands: tuple[Command, ...]) -> None:
-    """The outbox: each command of the decision becomes a pending entry in the decision's state."""
+    """The outbox: each command of the decision becomes a pending effect in the decision's state."""
     meta = event.meta
     causation_id = meta.event_id
     for command in commands:
@@ -50,7 +50,7 @@ _SCOPE_NAMES: dict[int, SandboxScope] = {number: name for name, number in SCOPE_
 
 
 def command_of(entry: state_pb2.PendingEffect) -> Command:
-    """The driver command a pending entry stands for (what a restarted pod re-runs)."""
+    """The driver command a pending effect stands for (what a restarted pod re-runs)."""
     scope = _SCOPE_NAMES[entry.scope]
     if entry.op == state_pb2.EFFECT_OP_DEPROVISION:
         return Deprovision(scope, entry.sandbox_id, entry.phase)

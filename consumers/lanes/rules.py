@@ -343,7 +343,7 @@ def complete(decision: Decision, results: Sequence[CommandResult], config: LaneC
     """Fold the results of the decision's own commands into its state (in place), in order.
 
     The synchronous path: replay and the seed tests run a decision's commands at once. The pod
-    completes each pending entry on its own, later, with :func:`complete_effect`; both give the
+    completes each pending effect on its own, later, with :func:`complete_effect`; both give the
     same outcome events and the same final state.
     """
     commands = decision.commands

@@ -1,6 +1,6 @@
 """Driver calls off the transaction: concurrent across sandboxes, in order within one.
 
-The pod commits a decision (its outbox entries included) first and only then hands
+The pod commits a decision (its effects included) first and only then hands
 the entries here. Each call runs in its own task, bounded by a semaphore (the
 driver concurrency), and calls for one sandbox (scope + id) run one after the
 other in submission order: a terminal teardown submitted while its ensure is in

@@ -3,7 +3,7 @@
 One turn of the loop takes a fetch and the driver results finished so far, and
 per partition number (partition N of every input topic and of the state topic)
 commits one short transaction: the results folded back (outcome events, outbox
-entries removed) and the records decided (state with new outbox entries, dead
+entries removed) and the records decided (state with new effects, dead
 letters, offsets). No transaction waits on a driver: the calls a committed
 decision added are handed to :class:`consumers.runtime.effects.EffectRunner` only after
 the commit, and their results come back in a later turn. Records are processed in
@@ -123,7 +123,7 @@ class Pod:
         self._rejoin = False
         #: Take-overs in flight (at most one: a rebalance first releases, which cancels it).
         self._taking_over: set[asyncio.Task[None]] = set()
-        #: When each outbox entry was decided (monotonic), for the time-to-sandbox histogram.
+        #: When each effect was decided (monotonic), for the time-to-sandbox histogram.
         self._decided_at: dict[str, tuple[int, float]] = {}
         self._throttle = FetchThrottle(config.driver_concurrency, config.max_batch)
         self._create_gate = CreateOrderGate(config.topics.execution_created)

@@ -50,7 +50,7 @@ class LaneProcessor:
     logger: logging.Logger
 
     def decide(self, event: InputEvent, stored: StateView) -> Decision:
-        """The decision alone (its commands become outbox entries); its own logs are emitted."""
+        """The decision alone (its commands become effects); its own logs are emitted."""
         decision = decide(event, stored, self.config)
         if decision.logs and decision.reject is None and not decision.duplicate:
             context = {"driver": self.config.driver_name, "eventId": event.meta.event_id}

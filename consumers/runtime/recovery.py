@@ -26,7 +26,7 @@ async def restore_and_resume(
 ) -> None:
     """Rebuild the state of the owned ``partitions`` not yet held, then re-run their pending calls.
 
-    The outbox entries of a restored partition are driver calls decided before (by this pod or the
+    The effects of a restored partition are driver calls decided before (by this pod or the
     previous owner) and never folded back: they run again, idempotent by name and id. A partition
     released (or released and taken again) while its state was read is dropped: that read is not
     its current epoch's.

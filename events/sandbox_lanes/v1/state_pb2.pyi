@@ -56,10 +56,10 @@ class _EffectOpEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EffectOp.Val
     EFFECT_OP_DEPROVISION: _EffectOp.ValueType  # 2
 
 class EffectOp(_EffectOp, metaclass=_EffectOpEnumTypeWrapper):
-    """A driver call decided but not yet completed: the outbox entry. It is written in the
+    """A driver call decided but not yet completed: the effect. It is written in the
     decision's transaction; the call runs outside any transaction; its result is folded back
     (outcome event + entry removed) in a later transaction, by whichever pod owns the
-    partition then. Drivers are idempotent by name, so re-running a pending entry after a
+    partition then. Drivers are idempotent by name, so re-running a pending effect after a
     crash or a rebalance is safe, and the outcome exists once: it is written only by the
     transaction that removes the entry.
     """
