@@ -218,36 +218,37 @@ class FileOrCommandTokenProvider(AbstractTokenProvider):  # type: ignore[misc]
         self._command = command
 
     async def token(self) -> str:
-        if self._file:
-            text = await asyncio.to_thread(Path(self._file).read_text)
-        else:
-            argv = shlex.split(self._command)
-            proc = await asyncio.create_subprocess_exec(
-                *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-            )
-            out, err = await asyncio.wait_for(proc.communicate(), TOKEN_COMMAND_TIMEOUT_S)
-            if proc.returncode != 0:
-                raise KafkaSecurityError(
-                    f"KAFKA_SASL_OAUTHBEARER_TOKEN_COMMAND exited {proc.returncode}: "
-                    f"{err.decode(errors='replace').strip()[:200]}"
-                )
-            text = out.decode()
-        token = text.strip()
-        if not token:
-            raise KafkaSecurityError("the OAUTHBEARER token is empty")
-        return token
+        """aiokafka's provider: the token read off the event loop."""
+        return await asyncio.to_thread(self.read)
 
     def librdkafka_token(self, _config: str) -> tuple[str, float, str, dict[str, str]]:
-        """librdkafka's ``oauth_cb``: the same token, read synchronously (librdkafka's thread).
+        """librdkafka's ``oauth_cb`` (called in librdkafka's thread): the same token, when it
+        expires (its JWT ``exp``, else in 5 minutes, after which librdkafka asks again) and the
+        principal (its ``sub``)."""
+        token = self.read()
+        claims = _jwt_claims(token)
+        expires = claims.get("exp")
+        expiry = float(expires) if isinstance(expires, int | float) else time.time() + 300.0
+        subject = claims.get("sub")
+        return token, expiry, subject if isinstance(subject, str) and subject else "sandbox-lanes", {}
 
-        Returns the token, when it expires (its JWT ``exp``, else in 5 minutes, after which
-        librdkafka asks again) and the principal (its ``sub``)."""
+    def read(self) -> str:
+        """The token, from the file or the command's output (blocking: both clients call it off
+        their event loop)."""
         if self._file:
             text = Path(self._file).read_text()
         else:
-            proc = subprocess.run(  # argv of the configured command, no shell
-                shlex.split(self._command), capture_output=True, timeout=TOKEN_COMMAND_TIMEOUT_S, check=False
-            )
+            try:
+                proc = subprocess.run(  # argv of the configured command, no shell
+                    shlex.split(self._command),
+                    capture_output=True,
+                    timeout=TOKEN_COMMAND_TIMEOUT_S,
+                    check=False,
+                )
+            except subprocess.TimeoutExpired as exc:
+                raise TimeoutError(
+                    f"KAFKA_SASL_OAUTHBEARER_TOKEN_COMMAND ran over {TOKEN_COMMAND_TIMEOUT_S:g}s"
+                ) from exc
             if proc.returncode != 0:
                 raise KafkaSecurityError(
                     f"KAFKA_SASL_OAUTHBEARER_TOKEN_COMMAND exited {proc.returncode}: "
@@ -257,11 +258,7 @@ class FileOrCommandTokenProvider(AbstractTokenProvider):  # type: ignore[misc]
         token = text.strip()
         if not token:
             raise KafkaSecurityError("the OAUTHBEARER token is empty")
-        claims = _jwt_claims(token)
-        expires = claims.get("exp")
-        expiry = float(expires) if isinstance(expires, int | float) else time.time() + 300.0
-        subject = claims.get("sub")
-        return token, expiry, subject if isinstance(subject, str) and subject else "sandbox-lanes", {}
+        return token
 
 
 def _jwt_claims(token: str) -> dict[str, Any]:
