@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.exposition import choose_encoder
 
-from consumers.runtime.clients import group_joined
+from consumers.runtime.kafka.clients import group_joined
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod import Pod
 from consumers.runtime.pod_config import Health, with_membership

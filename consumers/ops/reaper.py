@@ -25,10 +25,10 @@ from consumers.lanes.commands import LaneConfig
 from consumers.lanes.reap import ReapPlan, plan_reap, reaped_event
 from consumers.ops.settings import Settings
 from consumers.runtime.executor import error_message
-from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
+from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
+from consumers.runtime.kafka.topology import Topics
 from consumers.runtime.metrics import PodMetrics
-from consumers.runtime.state_store import StateStore
-from consumers.runtime.topology import Topics
+from consumers.runtime.state.store import StateStore
 from drivers.contract import SandboxProvisioner
 from events.codec import encode
 from events.sandbox_lanes.v1 import state_pb2

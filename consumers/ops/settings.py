@@ -27,9 +27,9 @@ from consumers.lanes.constants import (
 )
 from consumers.lanes.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
 from consumers.ops.config_file import CONFIG_FILE_ENV, ConfigFileError, did_you_mean, merge, read_config_file
-from consumers.runtime.kafka_security import KafkaSecurity, KafkaSecurityError
-from consumers.runtime.sink import Guarantee
-from consumers.runtime.topology import Topics
+from consumers.runtime.kafka.security import KafkaSecurity, KafkaSecurityError
+from consumers.runtime.kafka.sink import Guarantee
+from consumers.runtime.kafka.topology import Topics
 from drivers.contract import SANDBOX_DRIVER_OWNED_RUNNER_ENV, DriverConfig
 from drivers.runner.env import is_temporal_connection_name
 

@@ -12,7 +12,7 @@ from typing import Final
 
 from aiokafka import ConsumerRecord
 
-from consumers.runtime.failures import RECORD_LIMIT_BYTES, record_size
+from consumers.runtime.kafka.failures import RECORD_LIMIT_BYTES, record_size
 from events.codec import EncodedRecord
 
 #: What a dead letter keeps of the original's key and headers (a key is an id; headers are

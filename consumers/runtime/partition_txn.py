@@ -20,13 +20,13 @@ from consumers.lanes.outbox import new_effects
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.dead_letters import bare_dead_letter, dead_letter_record, unparsable_dead_letter
 from consumers.runtime.effects import Completion
-from consumers.runtime.failures import oversize_reason
+from consumers.runtime.kafka.failures import oversize_reason
+from consumers.runtime.kafka.sink import BatchSink
+from consumers.runtime.kafka.unparsable import Doom, RecordRef, record_ref
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod_config import PodConfig, PodStats
 from consumers.runtime.processor import LaneProcessor
-from consumers.runtime.sink import BatchSink
-from consumers.runtime.state_store import StateStore
-from consumers.runtime.unparsable import Doom, RecordRef, record_ref
+from consumers.runtime.state.store import StateStore
 from events.codec import TYPE_PREFIX, DecodeError, decode_input, encode, state_key, type_name
 from events.sandbox_lanes.v1 import inputs_pb2, state_pb2
 

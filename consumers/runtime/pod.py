@@ -30,26 +30,26 @@ from aiokafka.partitioner import murmur2
 
 from consumers.lanes.commands import Command, CommandResult, Ensure
 from consumers.runtime.backpressure import FetchThrottle
-from consumers.runtime.clients import (
+from consumers.runtime.create_order import CreateOrderGate
+from consumers.runtime.effects import Completion, EffectRunner
+from consumers.runtime.kafka.clients import (
     RebalanceHooks,
     group_consumer_for,
     producer_options_for,
     txn_producer_config,
 )
-from consumers.runtime.create_order import CreateOrderGate
-from consumers.runtime.effects import Completion, EffectRunner
-from consumers.runtime.failures import is_deterministic
+from consumers.runtime.kafka.failures import is_deterministic
+from consumers.runtime.kafka.sink import BatchSink, PartitionSinks
+from consumers.runtime.kafka.topology import prepare_pod_topics
+from consumers.runtime.kafka.unparsable import Doom, RecordRef, fetch_around_unparsable, record_ref
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.partition_txn import PartitionTransaction
 from consumers.runtime.pod_config import Health, PodConfig, PodStats, assess_health
 from consumers.runtime.processor import LaneProcessor
-from consumers.runtime.recovery import restore_and_resume
 from consumers.runtime.shutdown import end_tasks, run_until_bound
-from consumers.runtime.sink import BatchSink, PartitionSinks
 from consumers.runtime.stall_guard import StallGuard
-from consumers.runtime.state_store import HeldStates, StateStore
-from consumers.runtime.topology import prepare_pod_topics
-from consumers.runtime.unparsable import Doom, RecordRef, fetch_around_unparsable, record_ref
+from consumers.runtime.state.recovery import restore_and_resume
+from consumers.runtime.state.store import HeldStates, StateStore
 
 logger = logging.getLogger("sandbox_lanes.pod")
 

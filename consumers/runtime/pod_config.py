@@ -7,9 +7,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
-from consumers.runtime.sink import Guarantee
-from consumers.runtime.topology import Topics
+from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
+from consumers.runtime.kafka.sink import Guarantee
+from consumers.runtime.kafka.topology import Topics
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from consumers.ops.compose import compose
     from consumers.ops.http_server import OpsServer
-    from consumers.runtime.kafka_security import ConnectFailureNote
-    from consumers.runtime.topology import TopologyError
+    from consumers.runtime.kafka.security import ConnectFailureNote
+    from consumers.runtime.kafka.topology import TopologyError
 
     settings = load_settings()
     setup_logging(
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[CONFIG_FILE_ENV] = args.config
     from aiokafka.errors import KafkaConnectionError, KafkaError
 
-    from consumers.runtime.topology import TopologyError
+    from consumers.runtime.kafka.topology import TopologyError
 
     command = f"sandbox-lanes {args.command}"
     failures = _ConnectFailures()

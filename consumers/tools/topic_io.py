@@ -14,8 +14,8 @@ import yaml
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from google.protobuf.message import Message
 
-from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
-from consumers.runtime.topology import Topics
+from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
+from consumers.runtime.kafka.topology import Topics
 from events.codec import (
     ALL_TYPES,
     INPUT_TYPES,

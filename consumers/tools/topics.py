@@ -1,7 +1,7 @@
 """``sandbox-lanes topics``: the topic plan as ``kafka-topics.sh`` commands or Strimzi KafkaTopic
 resources, or applied (``--apply``: every missing topic created, the inputs included).
 
-The plan is :func:`consumers.runtime.topology.plan_topics` over the configured names,
+The plan is :func:`consumers.runtime.kafka.topology.plan_topics` over the configured names,
 ``SANDBOX_LANES_PARTITIONS`` and ``SANDBOX_LANES_REPLICATION`` (-1 = the broker's default: the
 replication flag / ``replicas`` field is left out, so the broker's ``default.replication.factor``
 applies). The pod itself never creates an input topic; this command is the operator's way to.
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import yaml
 
 from consumers.ops.settings import Settings, load_settings
-from consumers.runtime.topology import BROKER_DEFAULT, TopicSpec, plan_topics
+from consumers.runtime.kafka.topology import BROKER_DEFAULT, TopicSpec, plan_topics
 
 _ROLE_NOTE = {
     "input": "input: written by the producing side; the pod checks it exists and never creates it",
@@ -103,7 +103,7 @@ async def apply(settings: Settings, bootstrap: str) -> list[str]:
     """Create every missing topic of the plan; the names created."""
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from consumers.runtime.topology import check_co_partitioned, create_missing
+    from consumers.runtime.kafka.topology import check_co_partitioned, create_missing
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **settings.kafka_security.client_options())
     await admin.start()
@@ -122,7 +122,7 @@ async def create_input_topics(settings: Settings, bootstrap: str | None = None) 
     the tests); the names created. The pod then creates its own topics itself."""
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from consumers.runtime.topology import create_missing
+    from consumers.runtime.kafka.topology import create_missing
 
     admin = AIOKafkaAdminClient(
         bootstrap_servers=bootstrap or settings.bootstrap, **settings.kafka_security.client_options()

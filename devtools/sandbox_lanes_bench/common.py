@@ -182,7 +182,7 @@ def created_event(execution_id: str, event_id: str | None = None, *, agent: bool
 async def create_topics(bootstrap: str, topics: Any, partitions: int) -> None:
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from consumers.runtime.topology import TopologyError, ensure_topics
+    from consumers.runtime.kafka.topology import TopologyError, ensure_topics
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()

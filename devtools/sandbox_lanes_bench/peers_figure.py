@@ -104,7 +104,7 @@ async def read_sink(bootstrap: str, topic: str, partitions: int) -> SinkReading:
     """Every committed record of ``topic``: count, distinct values, first and last append time."""
     from aiokafka import TopicPartition
 
-    from consumers.runtime.topic_reader import read_to_end
+    from consumers.runtime.kafka.topic_reader import read_to_end
 
     seen: set[bytes] = set()
     records = 0

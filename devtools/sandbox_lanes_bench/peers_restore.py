@@ -52,7 +52,7 @@ async def _changelog_keys(bootstrap: str, topic: str, partitions: int) -> tuple[
     """Distinct keys committed to ``topic`` and the mean value size in bytes."""
     from aiokafka import TopicPartition
 
-    from consumers.runtime.topic_reader import read_to_end
+    from consumers.runtime.kafka.topic_reader import read_to_end
 
     keys: set[bytes] = set()
     size = records = 0

@@ -110,7 +110,7 @@ async def _write_states(bootstrap: str, topic: str, n: int, partitions: int, sho
 def _restore_child(bootstrap: str, topic: str, partitions: int, conn: Any) -> None:
     """Child process: restore every partition of ``topic``; report time, keys and peak RSS."""
     try:
-        from consumers.runtime.state_store import StateStore
+        from consumers.runtime.state.store import StateStore
 
         store = StateStore(topic)
         baseline = read_status("VmRSS")
@@ -133,7 +133,7 @@ def _restore_child(bootstrap: str, topic: str, partitions: int, conn: Any) -> No
 async def measure_restore(args: argparse.Namespace, bootstrap: str, show: bool) -> dict[str, Any]:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-    from consumers.runtime.topology import STATE_TOPIC_CONFIG
+    from consumers.runtime.kafka.topology import STATE_TOPIC_CONFIG
 
     tag = f"bench-{uuid.uuid4().hex[:6]}"
     ctx = multiprocessing.get_context("spawn")

@@ -76,7 +76,7 @@ RATIO_KEYS = (
 
 
 def state_topic_config() -> dict[str, str]:
-    from consumers.runtime.topology import STATE_TOPIC_CONFIG
+    from consumers.runtime.kafka.topology import STATE_TOPIC_CONFIG
 
     return {**STATE_TOPIC_CONFIG, **BENCH_STATE_OVERRIDES}
 
@@ -207,7 +207,7 @@ def _restore_child(
     bootstrap: str, topic: str, partitions: int, retention_s: int, repeats: int, conn: Any
 ) -> None:
     try:
-        from consumers.runtime.state_store import StateStore
+        from consumers.runtime.state.store import StateStore
 
         runs: list[dict[str, Any]] = []
         for _ in range(repeats):

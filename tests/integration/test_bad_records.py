@@ -29,7 +29,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from consumers.ops.compose import Composed
 from consumers.ops.settings import load_settings
 from consumers.runtime.dead_letters import KEY_KEPT_BYTES
-from consumers.runtime.topic_reader import read_to_end
+from consumers.runtime.kafka.topic_reader import read_to_end
 from consumers.tools.replay.command import lane_config
 from consumers.tools.replay.derive import replay
 from events.codec import encode, new_meta

@@ -180,7 +180,7 @@ async def test_records_fetched_while_the_take_over_still_fences_wait_for_the_fen
     first.kill9()
     await produce(kafka_bootstrap, env, *(wf_created(e) for e in later))
 
-    from consumers.runtime.sink import PartitionSinks
+    from consumers.runtime.kafka.sink import PartitionSinks
 
     open_sinks = PartitionSinks.open
 

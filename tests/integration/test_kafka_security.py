@@ -27,7 +27,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.helpers import create_ssl_context
 
 from consumers.ops.settings import Settings, load_settings
-from consumers.runtime.topology import Topics
+from consumers.runtime.kafka.topology import Topics
 from events.codec import OUTCOME_TYPES, decode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
 from tests.support.pod_harness import PodProcess, produce, unique_env, wf_created, wf_terminal

@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from consumers.ops.compose import compose
 from consumers.ops.http_server import OpsServer
 from consumers.ops.settings import load_settings
-from consumers.runtime.topology import ensure_topics
+from consumers.runtime.kafka.topology import ensure_topics
 from consumers.tools.embedded_broker import free_port
 from drivers.contract import SandboxEnvironment, SandboxProbeState, SandboxScope
 from events.codec import encode, new_meta
@@ -434,7 +434,7 @@ async def test_commits_that_keep_failing_fail_readiness_not_liveness_then_recove
     real and aborted for real; a real missing ACL is tests/integration/test_kafka_security.py's.)"""
     from aiokafka.errors import KafkaError
 
-    from consumers.runtime.sink import TransactionalSink
+    from consumers.runtime.kafka.sink import TransactionalSink
 
     env = unique_env(kafka_bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory")
     topics = load_settings(env).topics
@@ -512,7 +512,7 @@ async def test_static_membership_gets_the_partitions_back_without_a_rebalance(
     on the real broker a member restarted within the session timeout gets its partitions back and the
     other member's generation does not move (no rebalance at all)."""
     from consumers.ops.compose import pod_config
-    from consumers.runtime.clients import group_consumer_for
+    from consumers.runtime.kafka.clients import group_consumer_for
 
     env = unique_env(
         kafka_bootstrap,

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from consumers.ops.settings import SETTINGS, load_settings
-from consumers.runtime.topology import Topics
+from consumers.runtime.kafka.topology import Topics
 from events.sandbox_lanes.v1 import outcomes_pb2
 from tests.integration.test_ops_http import free_port, wait_for_status
 from tests.support.pod_harness import STUB_RUNNER, PodProcess, read_topic, unique_env

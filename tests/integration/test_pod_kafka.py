@@ -17,7 +17,7 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.partitioner import DefaultPartitioner
 
 from consumers.ops.settings import load_settings
-from consumers.runtime.topology import ensure_topics
+from consumers.runtime.kafka.topology import ensure_topics
 from drivers.contract import SandboxEnvironment, SandboxProbeState, SandboxScope
 from drivers.local_process import new_local_process_provisioner
 from events.codec import encode, new_meta

@@ -183,7 +183,7 @@ async def test_a_candidate_gone_since_the_listing_is_not_reaped_again() -> None:
     from harness.memory_driver import MemoryProvisioner
 
     from consumers.ops.reaper import Reaper, ReapResult
-    from consumers.runtime.topology import Topics
+    from consumers.runtime.kafka.topology import Topics
 
     class Outcomes:
         def __init__(self) -> None:

@@ -18,7 +18,7 @@ from harness.memory_driver import MemoryProvisioner
 
 from consumers.ops.compose import compose
 from consumers.ops.settings import load_settings
-from consumers.runtime.topology import (
+from consumers.runtime.kafka.topology import (
     DEAD_LETTER_RETENTION_MS,
     TOMBSTONE_RETENTION_MS,
     MissingTopicsError,

@@ -21,8 +21,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaError
 
 from consumers.ops.settings import load_settings
-from consumers.runtime.sink import PartitionSinks, TransactionalSink
-from consumers.runtime.topology import Topics
+from consumers.runtime.kafka.sink import PartitionSinks, TransactionalSink
+from consumers.runtime.kafka.topology import Topics
 from events.codec import EncodedRecord
 from events.sandbox_lanes.v1 import outcomes_pb2
 from tests.support.pod_harness import (
@@ -167,7 +167,7 @@ async def test_a_transaction_the_broker_timed_out_fences_the_producer_and_the_po
 
     from harness.memory_driver import MemoryProvisioner
 
-    from consumers.runtime.sink import TransactionalSink
+    from consumers.runtime.kafka.sink import TransactionalSink
     from tests.support.pod_harness import running_pod
 
     caplog.set_level(logging.INFO, logger="sandbox_lanes")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from consumers.runtime.topology import Topics
+from consumers.runtime.kafka.topology import Topics
 from events.codec import OUTCOME_TYPES, decode, decode_state, header
 from events.sandbox_lanes.v1 import outcomes_pb2, state_pb2
 from tests.support.chaos_workload import DriverResult, Expected, Op, Workload, expected_from_plan

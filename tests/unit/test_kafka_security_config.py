@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from consumers.ops.settings import RUNNER_WITHHELD_ENV, ConfigError, load_settings
-from consumers.runtime.kafka_security import FileOrCommandTokenProvider, KafkaSecurity
+from consumers.runtime.kafka.security import FileOrCommandTokenProvider, KafkaSecurity
 
 
 def _settings(**env: str):  # type: ignore[no-untyped-def]

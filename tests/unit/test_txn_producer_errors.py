@@ -16,8 +16,8 @@ from aiokafka.errors import (
 )
 from confluent_kafka import KafkaError, KafkaException
 
-from consumers.runtime.failures import is_deterministic
-from consumers.runtime.txn_producer import RecordRefused, TransactionError, translate
+from consumers.runtime.kafka.failures import is_deterministic
+from consumers.runtime.kafka.txn_producer import RecordRefused, TransactionError, translate
 
 
 def _raised(code: int) -> BaseException:

@@ -16,10 +16,10 @@ from consumers.lanes.retention import finished
 from consumers.ops.progress import progress
 from consumers.ops.reaper import partitions_of
 from consumers.runtime.executor import CommandRunner
-from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
+from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
+from consumers.runtime.kafka.topic_reader import read_to_end
+from consumers.runtime.kafka.topology import Topics
 from consumers.runtime.processor import LaneProcessor
-from consumers.runtime.topic_reader import read_to_end
-from consumers.runtime.topology import Topics
 from consumers.tools.replay.compare import (
     Divergence,
     RecordedOutcome,

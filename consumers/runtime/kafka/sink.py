@@ -2,7 +2,7 @@
 
 ``exactly_once``: one transactional producer per input partition number, with the
 transactional id ``<group id>-p<N>`` (Kafka Streams' "exactly-once alpha" layout), on
-librdkafka (:mod:`consumers.runtime.txn_producer`). Partition N of every input topic and of
+librdkafka (:mod:`consumers.runtime.kafka.txn_producer`). Partition N of every input topic and of
 the state topic is one unit of work (the range assignor keeps them on one pod), and its
 outcomes, state records, dead letters and input offsets are committed in one transaction of
 that producer. A pod that takes partition N over initialises the producer with the same id,
@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from consumers.runtime.txn_producer import TxnProducer, group_metadata
+from consumers.runtime.kafka.txn_producer import TxnProducer, group_metadata
 from events.codec import EncodedRecord
 
 Guarantee = Literal["exactly_once", "at_least_once"]

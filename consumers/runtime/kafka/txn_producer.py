@@ -4,7 +4,7 @@ The pod's ``exactly_once`` writes go through this: a record is handed to librdka
 call (``produce``: no Python future, no Python batch building, the network in librdkafka's own
 threads), and the calls that wait on the broker (``init_transactions``, the offsets, the
 commit, the abort) run in a thread of their own executor, so the event loop never blocks on
-them. The fence is the one :mod:`consumers.runtime.sink` describes: one transactional id per
+them. The fence is the one :mod:`consumers.runtime.kafka.sink` describes: one transactional id per
 input partition number; ``init_transactions`` bumps its epoch. The group metadata carries the
 group id only (generation -1), as the per-partition ids need: the broker then checks the
 epoch, not the group generation (KIP-447's per-pod mode is not used).

@@ -15,7 +15,7 @@ from typing import Final
 
 from aiokafka import errors as kafka_errors
 
-from consumers.runtime.txn_producer import RecordRefused
+from consumers.runtime.kafka.txn_producer import RecordRefused
 from events.codec import EncodedRecord
 
 #: The largest record the pod produces: aiokafka's default ``max_request_size`` (1,048,576 B) less

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Sequence
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
-from consumers.runtime.failures import is_deterministic
-from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
-from consumers.runtime.unparsable import fetch_around_unparsable
+from consumers.runtime.kafka.failures import is_deterministic
+from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
+from consumers.runtime.kafka.unparsable import fetch_around_unparsable
 
 
 async def read_to_end(

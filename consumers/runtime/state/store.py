@@ -20,9 +20,9 @@ from aiokafka import TopicPartition
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 
 from consumers.lanes.retention import removable_from
-from consumers.runtime.kafka_security import PLAINTEXT, KafkaSecurity
-from consumers.runtime.topic_reader import read_to_end
-from consumers.runtime.unparsable import is_placeholder
+from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
+from consumers.runtime.kafka.topic_reader import read_to_end
+from consumers.runtime.kafka.unparsable import is_placeholder
 from events.codec import decode_state
 from events.sandbox_lanes.v1 import state_pb2
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
-from consumers.runtime.failures import is_deterministic
+from consumers.runtime.kafka.failures import is_deterministic
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
