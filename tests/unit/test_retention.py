@@ -2,10 +2,14 @@
 
 Expectations are literal, from issue 25's rule: a state may go once it is finished (a terminal
 phase, a refused create, or a deleted session's record, with nothing pending) and the retention
-has passed since its last input's ``occurred_at``.
+has passed since its last input's ``occurred_at``. Each condition of the rule has a test of its
+own that fails when that condition is taken out of ``consumers/lanes/retention.py`` (checked by
+mutating the rule one condition at a time, issue 33).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 
@@ -25,41 +29,111 @@ def _pending(state: state_pb2.ExecutionState) -> state_pb2.ExecutionState:
     return state
 
 
-@pytest.mark.parametrize(
-    ("phase", "expected"),
-    [
-        (common_pb2.EXECUTION_PHASE_UNSPECIFIED, False),
-        (common_pb2.EXECUTION_PENDING, False),
-        (common_pb2.EXECUTION_IN_PROGRESS, False),
-        (common_pb2.EXECUTION_PAUSED, False),
-        (common_pb2.EXECUTION_COMPLETED, True),
-        (common_pb2.EXECUTION_FAILED, True),
-        (common_pb2.EXECUTION_CANCELLED, True),
-        (common_pb2.EXECUTION_TERMINATED, True),
-    ],
+TERMINAL = (
+    common_pb2.EXECUTION_COMPLETED,
+    common_pb2.EXECUTION_FAILED,
+    common_pb2.EXECUTION_CANCELLED,
+    common_pb2.EXECUTION_TERMINATED,
 )
-def test_only_a_terminal_phase_with_nothing_pending_is_finished(phase: int, expected: bool) -> None:
-    state = _state("wf", phase=phase)
-    assert finished(state) is expected
-    assert finished(_pending(state)) is False  # a teardown in flight keeps any state
+NOT_TERMINAL = (
+    common_pb2.EXECUTION_PHASE_UNSPECIFIED,
+    common_pb2.EXECUTION_PENDING,
+    common_pb2.EXECUTION_IN_PROGRESS,
+    common_pb2.EXECUTION_PAUSED,
+)
 
 
-def test_refused_creates_and_deleted_sessions_are_finished() -> None:
-    refused = _state("wf", phase=common_pb2.EXECUTION_PENDING)
-    refused.refused = True
-    session = state_pb2.ExecutionState(execution_id="ses_1", session_deleted=True)
+def _terminal(phase: int = common_pb2.EXECUTION_COMPLETED) -> state_pb2.ExecutionState:
+    return _state("wf", phase=phase, at=1_000)
+
+
+def _refused() -> state_pb2.ExecutionState:
+    """A refused create: its phase is not terminal, so ``refused`` alone makes it finished."""
+    state = _state("wf", phase=common_pb2.EXECUTION_PENDING, at=1_000)
+    state.refused = True
+    return state
+
+
+def _deleted_session() -> state_pb2.ExecutionState:
+    """A deleted session's own record: no phase, not refused, only ``session_deleted``."""
+    state = state_pb2.ExecutionState(execution_id="ses_1", session_deleted=True)
+    state.updated_at.FromSeconds(1_000)
+    return state
+
+
+FINISHED = {"terminal": _terminal, "refused": _refused, "session deleted": _deleted_session}
+
+
+# --- the rule, one condition per test (each fails if that condition is taken out of the rule) ----
+
+
+@pytest.mark.parametrize("make", FINISHED.values(), ids=FINISHED.keys())
+def test_a_pending_effect_keeps_a_finished_state(make: Callable[[], state_pb2.ExecutionState]) -> None:
+    """A state removed under a pending effect would lose the effect's result: never removable."""
+    assert finished(make()) is True  # the same state without the effect is finished
+    kept = _pending(make())
+    assert finished(kept) is False
+    assert removable_from(kept, DAY, seen_at=5.0) is None
+
+
+@pytest.mark.parametrize("phase", TERMINAL, ids=common_pb2.ExecutionPhase.Name)
+def test_a_terminal_phase_is_finished(phase: int) -> None:
+    state = _terminal(phase)
+    assert finished(state) is True
+    assert removable_from(state, DAY, seen_at=5.0) == 1_000 + DAY
+
+
+@pytest.mark.parametrize("phase", NOT_TERMINAL, ids=common_pb2.ExecutionPhase.Name)
+def test_a_live_execution_is_never_removable(phase: int) -> None:
+    state = _state("wf", phase=phase, at=1_000)
+    assert finished(state) is False
+    assert removable_from(state, DAY, seen_at=5.0) is None
+
+
+def test_a_refused_create_is_finished_whatever_its_phase() -> None:
+    assert finished(_refused()) is True
+    assert removable_from(_refused(), DAY, seen_at=5.0) == 1_000 + DAY
+
+
+def test_a_deleted_sessions_record_is_finished() -> None:
+    assert finished(_deleted_session()) is True
+    assert removable_from(_deleted_session(), DAY, seen_at=5.0) == 1_000 + DAY
     live_session = state_pb2.ExecutionState(execution_id="ses_2")
-    assert (finished(refused), finished(session), finished(live_session)) == (True, True, False)
+    assert finished(live_session) is False
 
 
-def test_removable_from_counts_from_the_last_input() -> None:
-    done = _state("wf", phase=common_pb2.EXECUTION_COMPLETED, at=1_000)
+@pytest.mark.parametrize("retention_s", [0.0, -1.0])
+def test_no_retention_keeps_every_state(retention_s: float) -> None:
+    for make in FINISHED.values():
+        assert removable_from(make(), retention_s, seen_at=5.0) is None
+
+
+def test_the_clock_is_the_last_inputs_occurred_at_not_when_the_pod_saw_it() -> None:
+    done = _terminal()
     done.updated_at.nanos = 500_000_000
     assert removable_from(done, 7 * DAY, seen_at=5.0) == 1_000.5 + 7 * DAY
-    assert removable_from(done, 0, seen_at=5.0) is None  # 0 keeps every state
-    assert removable_from(_state("wf", phase=common_pb2.EXECUTION_IN_PROGRESS), DAY, seen_at=5.0) is None
+    assert removable_from(done, 7 * DAY, seen_at=99_999.0) == 1_000.5 + 7 * DAY
+
+
+def test_a_state_without_a_clock_counts_from_when_the_pod_saw_it() -> None:
     no_clock = state_pb2.ExecutionState(execution_id="ses", session_deleted=True)
-    assert removable_from(no_clock, 60.0, seen_at=5.0) == 65.0  # from when the pod saw it
+    assert removable_from(no_clock, 60.0, seen_at=5.0) == 65.0
+    assert removable_from(no_clock, 60.0, seen_at=7.0) == 67.0
+
+
+# --- the store's schedule ---------------------------------------------------------------------
+
+
+def test_the_store_never_lists_a_terminal_state_while_an_effect_is_pending() -> None:
+    store = StateStore("state", retention_s=100.0)
+    store.put(0, "tearing", _pending(_state("tearing", phase=common_pb2.EXECUTION_COMPLETED, at=1_000)))
+    assert store.due(1e12, limit=10) == {}
+    # The teardown's result folded back (nothing pending): now it is scheduled as any finished state.
+    store.put(0, "tearing", _state("tearing", phase=common_pb2.EXECUTION_COMPLETED, at=1_000))
+    assert store.due(1_100.0, limit=10) == {0: ["tearing"]}
+    # An effect pending again (a recover's ensure, say) takes it off the schedule.
+    store.put(0, "tearing", _pending(_state("tearing", phase=common_pb2.EXECUTION_COMPLETED, at=1_000)))
+    assert store.due(1e12, limit=10) == {}
 
 
 def test_the_store_lists_due_keys_until_they_are_deleted() -> None:
