@@ -38,6 +38,7 @@ from consumers.runtime.kafka.clients import (
     producer_options_for,
     txn_producer_config,
 )
+from consumers.runtime.kafka.codecs import require_codecs
 from consumers.runtime.kafka.failures import is_deterministic
 from consumers.runtime.kafka.sink import BatchSink, PartitionSinks
 from consumers.runtime.kafka.topology import prepare_pod_topics
@@ -177,6 +178,7 @@ class Pod:
         return self._stop
 
     async def start(self) -> None:
+        require_codecs()  # a codec the Kafka client lacks is a startup error naming it
         cfg = self.config
         # Drivers call blocking SDKs (docker, kubernetes) through asyncio.to_thread: the default
         # executor (cores + 4 threads) would cap the driver concurrency at 6 on a 2-core node.

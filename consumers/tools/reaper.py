@@ -14,6 +14,7 @@ import logging
 
 from consumers.lanes.commands import LaneConfig
 from consumers.ops.reaper import Reaper, ReapReport, ReapResult, isolation
+from consumers.runtime.kafka.codecs import require_codecs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from consumers.ops.logs import setup_logging
     from consumers.ops.settings import load_settings
 
+    require_codecs()  # it reads the whole state topic: every codec a producer may use
     settings = load_settings()
     setup_logging(
         getattr(args, "log_level", "info"), secrets=[settings.raw.get("STIGMER_RUNNER_TOKEN_KEY", "")]

@@ -14,6 +14,7 @@ import yaml
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from google.protobuf.message import Message
 
+from consumers.runtime.kafka.codecs import require_codecs
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.kafka.topology import Topics
 from events.codec import (
@@ -132,6 +133,7 @@ async def tail(
     security: KafkaSecurity = PLAINTEXT,
 ) -> int:
     """Print decoded records as JSON lines; stop after ``idle_timeout_s`` without records (None = follow)."""
+    require_codecs()  # every codec a producer may use, or an error naming the missing one
     consumer = AIOKafkaConsumer(
         *topic_names,
         bootstrap_servers=bootstrap,

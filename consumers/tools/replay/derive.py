@@ -16,6 +16,7 @@ from consumers.lanes.retention import finished
 from consumers.ops.progress import progress
 from consumers.ops.reaper import partitions_of
 from consumers.runtime.executor import CommandRunner
+from consumers.runtime.kafka.codecs import require_codecs
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.kafka.topic_reader import read_to_end
 from consumers.runtime.kafka.topology import Topics
@@ -148,6 +149,7 @@ async def replay(
 ) -> ReplayReport:
     """Re-run the rules over the recorded inputs and compare (``max_clock_ahead_s``: the pod's
     ``SANDBOX_LANES_MAX_CLOCK_AHEAD_S``, so inputs from the future are refused as it refused them)."""
+    require_codecs()  # a codec it cannot read is an error naming it, not a divergence
     window = window or Window()
     isolation = "read_committed" if guarantee == "exactly_once" else "read_uncommitted"
     snapshot_ms = int(time.time() * 1000)
