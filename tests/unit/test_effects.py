@@ -1,8 +1,15 @@
-"""The effect runner on its own: concurrency across sandboxes, order within one, ownership."""
+"""The effect runner on its own: concurrency across sandboxes, order within one, ownership.
+
+No sleep decides a verdict here: a test waits for the state it needs (a call inside the driver,
+calls held at the gate, the runner idle) with a deadline, and the driver stand-in holds a call
+until the test releases it, so "still running" is a fact, not a guess about timing.
+"""
 
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from collections.abc import Callable
 
 from consumers.lanes.commands import Command, CommandResult, Deprovision, Ensure
 from consumers.lanes.credentials import SandboxCredentialRequest
@@ -40,6 +47,48 @@ class Recorder:
         return CommandResult(ok=True)
 
 
+class Held(Recorder):
+    """A driver stand-in whose calls stay inside the driver until the test releases them
+    (per sandbox, or all at once), so a test knows which calls are running."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+        self.release_all = asyncio.Event()
+        self.released: dict[str, asyncio.Event] = {}
+
+    def release(self, sandbox_id: str) -> None:
+        self.released.setdefault(sandbox_id, asyncio.Event()).set()
+
+    def started(self, op: str, sandbox_id: str) -> int:
+        return self.events.count(("start", op, sandbox_id))
+
+    async def __call__(self, command: Command) -> CommandResult:
+        op = type(command).__name__
+        self.events.append(("start", op, command.sandbox_id))
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        mine = self.released.setdefault(command.sandbox_id, asyncio.Event())
+        waits = {asyncio.ensure_future(mine.wait()), asyncio.ensure_future(self.release_all.wait())}
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        self.running -= 1
+        self.events.append(("end", op, command.sandbox_id))
+        return CommandResult(ok=True)
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Wait for ``condition`` (polled on the loop) with a deadline; a timeout fails the test."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not condition():
+                await asyncio.sleep(0.001)
+    except TimeoutError:
+        raise AssertionError(f"not reached in {timeout_s}s: {what}") from None
+
+
 async def until_done(runner: EffectRunner, n: int, timeout_s: float = 10.0) -> list[str]:
     taken: list[str] = []
     async with asyncio.timeout(timeout_s):
@@ -50,12 +99,15 @@ async def until_done(runner: EffectRunner, n: int, timeout_s: float = 10.0) -> l
 
 
 async def test_calls_for_different_sandboxes_run_concurrently_up_to_the_bound() -> None:
-    recorder = Recorder(0.2)
+    recorder = Held()
     runner = EffectRunner(recorder, concurrency=8)
     for i in range(16):
         assert runner.submit(0, f"wfx_{i}", f"e{i}", ensure(f"wfx_{i}"))
+    # Nothing returns until eight are inside the driver at once: concurrent, not one by one.
+    await until(lambda: recorder.running >= 8, "eight calls inside the driver at once")
+    recorder.release_all.set()
     await until_done(runner, 16)
-    assert recorder.peak == 8  # eight at once, never more
+    assert recorder.peak == 8  # eight at once, never more (all sixteen were submitted together)
     assert runner.outstanding == 0
 
 
@@ -86,17 +138,23 @@ async def test_a_resubmitted_effect_id_runs_once() -> None:
 
 
 async def test_a_disowned_partition_drops_queued_calls_and_voids_running_results() -> None:
-    recorder = Recorder(0.2)
+    recorder = Held()
     runner = EffectRunner(recorder, concurrency=4)
     runner.own([0, 1])
     runner.submit(0, "wfx_a", "running", ensure("wfx_a"))
     runner.submit(0, "wfx_a", "queued", teardown("wfx_a"))
     runner.submit(1, "wfx_b", "kept", ensure("wfx_b"))
-    await asyncio.sleep(0.05)  # the two ensures are running, the teardown waits behind wfx_a's
+    # The two ensures are inside the driver; the teardown waits behind wfx_a's.
+    await until(
+        lambda: recorder.started("Ensure", "wfx_a") == 1 and recorder.started("Ensure", "wfx_b") == 1,
+        "both ensures running",
+    )
     runner.disown([0])
+    recorder.release_all.set()
     done = await until_done(runner, 1)
     assert done == ["kept"]
-    assert await runner.wait_idle(2.0)
+    assert await runner.wait_idle(2.0)  # every chain ended: wfx_a's ensure returned, its queue is empty
+    assert ("end", "Ensure", "wfx_a") in recorder.events
     assert runner.take() == []  # the running call finished; its result is void
     assert ("start", "Deprovision", "wfx_a") not in recorder.events  # the queued one never ran
     assert runner.outstanding == 0
@@ -111,17 +169,19 @@ async def test_taken_back_while_its_ensure_still_runs_the_outbox_order_holds() -
     the outbox hands the same ensure and its teardown back. The ensure must run again (its old
     result is void) and the teardown must wait for it; a teardown that overtook the ensure
     would leave a terminal execution recording a live sandbox."""
-    recorder = Recorder(0.2)
+    recorder = Held()
     runner = EffectRunner(recorder, concurrency=4)
     runner.own([0])
     runner.submit(0, "wfx_a", "ensure", ensure("wfx_a"))
     runner.submit(0, "wfx_a", "teardown", teardown("wfx_a"))
-    await asyncio.sleep(0.05)
+    await until(lambda: recorder.started("Ensure", "wfx_a") == 1, "the ensure inside the driver")
     runner.disown([0])
     runner.own([0])
     assert runner.submit(0, "wfx_a", "ensure", ensure("wfx_a"))
     assert runner.submit(0, "wfx_a", "teardown", teardown("wfx_a"))
     assert not runner.submit(0, "wfx_a", "ensure", ensure("wfx_a"))  # now it is current again
+    assert recorder.running == 1  # the old ensure is still inside the driver
+    recorder.release_all.set()
     assert await until_done(runner, 2) == ["ensure", "teardown"]
     assert [e[1] for e in recorder.events if e[0] == "start"] == ["Ensure", "Ensure", "Deprovision"]
     assert await runner.wait_idle(2.0)
@@ -144,18 +204,22 @@ async def test_a_call_whose_partition_moved_while_it_waited_at_the_gate_never_re
     hold (or while the call waited for a slot) drops it before the driver is called."""
     recorder = Recorder(0.01)
     opened = asyncio.Event()
+    at_gate = 0
 
     async def gate() -> None:
+        nonlocal at_gate
+        at_gate += 1
         await opened.wait()
 
     runner = EffectRunner(recorder, concurrency=2, gate=gate)
     runner.submit(0, "wfx_moved", "moved", ensure("wfx_moved"))
     runner.submit(1, "wfx_kept", "kept", ensure("wfx_kept"))
-    await asyncio.sleep(0.05)
+    await until(lambda: at_gate == 2, "both calls held at the gate")
     runner.disown([0])  # the group took partition 0 away while the calls were held
     opened.set()
     done = await until_done(runner, 1)
-    await asyncio.sleep(0.05)
+    # Both chains have ended (the moved call's included): had it reached the driver, it would show.
+    assert await runner.wait_idle(2.0)
     assert done == ["kept"]
     assert [e for e in recorder.events if e[0] == "start"] == [("start", "Ensure", "wfx_kept")]
     assert runner.outstanding == 0
@@ -163,21 +227,33 @@ async def test_a_call_whose_partition_moved_while_it_waited_at_the_gate_never_re
 
 async def test_the_stall_guard_holds_calls_after_a_stall_that_may_have_cost_the_membership() -> None:
     now = [100.0]
-    guard = StallGuard(session_timeout_s=10.0, heartbeat_interval_s=3.0, clock=lambda: now[0])
+    #: Clock reads per task: how a test knows the watch and a waiting clear() looked again.
+    reads: Counter[object] = Counter()
+
+    def clock() -> float:
+        reads[asyncio.current_task()] += 1
+        return now[0]
+
+    guard = StallGuard(session_timeout_s=10.0, heartbeat_interval_s=3.0, clock=clock)
     assert (guard.stall_s, guard.hold_s) == (4.0, 6.0)
     stop = asyncio.Event()
     watch = asyncio.create_task(guard.watch(stop))
-    await asyncio.sleep(0)
+    # The watch has looked twice: it is past its first look and watching.
+    await until(lambda: reads[watch] >= 2, "the watch running")
     now[0] += 3.9  # shorter than session - 2 heartbeats: the membership cannot be lost
     await asyncio.wait_for(guard.clear(), 1)
     assert guard.stalls == 0 and not guard.holding
     now[0] += 4.0  # the process stood still (SIGSTOP): the next call, whoever looks first, holds
     cleared = asyncio.create_task(guard.clear())
-    await asyncio.sleep(0.25)
+    await until(lambda: guard.stalls == 1, "the stall seen")
+    # clear() looked at the clock again after the stall and is still waiting (not returned).
+    looked = reads[cleared]
+    await until(lambda: reads[cleared] >= looked + 2, "clear() looking again")
     assert guard.stalls == 1 and guard.holding and not cleared.done()
     now[0] += 3.0
-    await asyncio.sleep(0.25)
-    assert not cleared.done()
+    looked = reads[cleared]
+    await until(lambda: reads[cleared] >= looked + 2, "clear() looking again")
+    assert not cleared.done()  # 3 s of the 6 s hold: still held
     now[0] += 3.0  # two heartbeat intervals after the stall
     await asyncio.wait_for(cleared, 1)
     assert guard.stalls == 1
