@@ -707,6 +707,523 @@ def _terminate(pid: int, exited: Callable[[], bool] | None = None, grace: float 
             time.sleep(0.1)
 
 
+# --- a multi-node KRaft cluster ---------------------------------------------------------------------
+
+#: A cluster node's JVM: a 512 MiB heap at most (three of them, beside the single broker, fit a CI box).
+CLUSTER_JVM_OPTS = (
+    "-Xms128m",
+    "-Xmx512m",
+    "-XX:+UseSerialGC",
+    "-XX:TieredStopAtLevel=1",
+    "-XX:-UsePerfData",
+    "-Djava.awt.headless=true",
+)
+TOPIC_MAIN = "org.apache.kafka.tools.TopicCommand"  # kafka-topics.sh
+#: FindCoordinator key types.
+GROUP_KEY, TRANSACTION_KEY = 0, 1
+#: Errors a FindCoordinator answers while the coordinator moves or loads: ask again.
+_COORDINATOR_RETRIABLE = {14: "COORDINATOR_LOAD_IN_PROGRESS", 15: "COORDINATOR_NOT_AVAILABLE"}
+
+
+class _Reader:
+    """A cursor over a non-flexible Kafka response body."""
+
+    def __init__(self, buf: bytes) -> None:
+        self.buf, self.pos = buf, 0
+
+    def _unpack(self, fmt: str) -> int:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return int(value)
+
+    def int8(self) -> int:
+        return self._unpack(">b")
+
+    def int16(self) -> int:
+        return self._unpack(">h")
+
+    def int32(self) -> int:
+        return self._unpack(">i")
+
+    def string(self) -> str | None:
+        size = self.int16()
+        if size < 0:
+            return None
+        text = self.buf[self.pos : self.pos + size].decode()
+        self.pos += size
+        return text
+
+    def int32s(self) -> tuple[int, ...]:
+        return tuple(self.int32() for _ in range(max(self.int32(), 0)))
+
+
+def _api_versions(sock: socket.socket) -> dict[int, tuple[int, int]]:
+    resp = _roundtrip(sock, 18, 0, b"")  # ApiVersions v0
+    error, count = struct.unpack_from(">hi", resp, 0)
+    if error:
+        raise ConnectionError(f"ApiVersions error {error}")
+    ranges = {}
+    for i in range(count):
+        key, lo, hi = struct.unpack_from(">hhh", resp, 6 + 6 * i)
+        ranges[key] = (lo, hi)
+    return ranges
+
+
+def _kstring(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack(">h", len(raw)) + raw
+
+
+class PartitionInfo:
+    """One partition as a broker's Metadata answer describes it."""
+
+    __slots__ = ("error", "internal", "isr", "leader", "offline", "partition", "replicas", "topic")
+
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        error: int,
+        leader: int,
+        replicas: tuple[int, ...],
+        isr: tuple[int, ...],
+        offline: tuple[int, ...],
+        internal: bool,
+    ) -> None:
+        self.topic, self.partition, self.error, self.leader = topic, partition, error, leader
+        self.replicas, self.isr, self.offline, self.internal = replicas, isr, offline, internal
+
+    @property
+    def under_replicated(self) -> bool:
+        return self.leader < 0 or len(self.isr) < len(self.replicas) or bool(self.offline)
+
+    def __repr__(self) -> str:
+        return (
+            f"{self.topic}-{self.partition}(leader={self.leader}, replicas={list(self.replicas)}, "
+            f"isr={list(self.isr)}" + (f", offline={list(self.offline)}" if self.offline else "") + ")"
+        )
+
+
+def cluster_metadata(host: str, port: int, timeout: float = 3.0) -> tuple[set[int], list[PartitionInfo]]:
+    """The unfenced broker ids and every partition (internal topics included) as the broker at
+    host:port reports them in a Metadata v8 answer (non-flexible)."""
+    with _connect(host, port, timeout, None) as sock:
+        ranges = _api_versions(sock)
+        lo, hi = ranges.get(3, (0, -1))
+        if not lo <= 8 <= hi:
+            raise ConnectionError(f"Metadata v8 not in the broker's {lo}..{hi}")
+        body = struct.pack(">i", -1) + b"\x00" + b"\x00\x00"  # all topics, no auto-create, no ACL ops
+        resp = _Reader(_roundtrip(sock, 3, 8, body))
+    resp.int32()  # throttle_time_ms
+    brokers: set[int] = set()
+    for _ in range(resp.int32()):
+        brokers.add(resp.int32())
+        resp.string()  # host
+        resp.int32()  # port
+        resp.string()  # rack
+    resp.string()  # cluster id
+    resp.int32()  # controller id
+    partitions: list[PartitionInfo] = []
+    for _ in range(resp.int32()):
+        topic_error = resp.int16()
+        name = resp.string() or ""
+        internal = resp.int8() != 0
+        for _ in range(resp.int32()):
+            error, index, leader = resp.int16(), resp.int32(), resp.int32()
+            resp.int32()  # leader epoch
+            replicas, isr, offline = resp.int32s(), resp.int32s(), resp.int32s()
+            partitions.append(
+                PartitionInfo(name, index, error or topic_error, leader, replicas, isr, offline, internal)
+            )
+        resp.int32()  # topic authorized operations
+    return brokers, partitions
+
+
+def find_coordinator(host: str, port: int, key: str, key_type: int, timeout: float = 3.0) -> int:
+    """The node id of the coordinator of a group (``GROUP_KEY``) or transactional id
+    (``TRANSACTION_KEY``), as the broker at host:port answers FindCoordinator v1/v2 (non-flexible).
+    Raises ``ConnectionError`` while there is none (moving, loading, its topic being created)."""
+    with _connect(host, port, timeout, None) as sock:
+        lo, hi = _api_versions(sock).get(10, (0, -1))
+        version = max(lo, 1)
+        if version > min(hi, 2):
+            raise ConnectionError(f"no FindCoordinator v1/v2 in the broker's {lo}..{hi}")
+        resp = _Reader(_roundtrip(sock, 10, version, _kstring(key) + struct.pack(">b", key_type)))
+    resp.int32()  # throttle_time_ms
+    error = resp.int16()
+    message = resp.string()
+    node_id = resp.int32()
+    if error:
+        name = _COORDINATOR_RETRIABLE.get(error, f"error {error}")
+        raise ConnectionError(f"FindCoordinator({key!r}): {name} {message or ''}".strip())
+    return node_id
+
+
+def java_string_hash(text: str) -> int:
+    """Java's ``String.hashCode()`` (UTF-16 code units), as a signed 32-bit int."""
+    h = 0
+    raw = text.encode("utf-16-be")
+    for i in range(0, len(raw), 2):
+        h = (31 * h + int.from_bytes(raw[i : i + 2], "big")) & 0xFFFFFFFF
+    return h - (1 << 32) if h & 0x80000000 else h
+
+
+def coordinator_partition(key: str, partitions: int) -> int:
+    """The partition of ``__consumer_offsets`` / ``__transaction_state`` that holds ``key``
+    (Kafka's ``Utils.abs(key.hashCode()) % partitions``; its abs maps Integer.MIN_VALUE to 0): its
+    leader is the coordinator."""
+    h = java_string_hash(key)
+    return (0 if h == -(1 << 31) else abs(h)) % partitions
+
+
+class ClusterNode(KafkaBroker):
+    """One combined broker+controller node of a :class:`KafkaCluster` (started and stopped by it)."""
+
+    def __init__(self, cluster: KafkaCluster, index: int) -> None:
+        super().__init__(keep=True, startup_timeout=cluster.startup_timeout)
+        self.cluster = cluster
+        self.index = index
+        self.node_id = index + 1
+
+    def _properties(self) -> str:
+        return self.cluster._node_properties(self)
+
+    def start(self) -> None:
+        raise KafkaBrokerError("a cluster node is started by its KafkaCluster (start_node)")
+
+    def launch(self) -> None:
+        """Start the node's JVM on its formatted data dir; does not wait (a quorum needs its peers)."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise KafkaBrokerError(f"node {self.index} already running")
+        work = self._work()
+        with (work / "console.log").open("ab") as out:
+            self.proc = subprocess.Popen(
+                self._java(BROKER_MAIN, str(work / "server.properties"), jvm_opts=CLUSTER_JVM_OPTS),
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the node's JVM (0 when it is not running)."""
+        if not self.running:
+            return 0
+        assert self.proc is not None
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
+
+class KafkaCluster:
+    """A KRaft cluster of ``nodes`` combined broker+controller processes on loopback (node ids 1..n,
+    every node a voter of the metadata quorum), replication ``nodes`` (at most 3) with
+    ``min.insync.replicas`` one less, for broker-fault tests: :meth:`kill` (SIGKILL) and
+    :meth:`start_node` a node by index, :meth:`wait_isr_full`, and the group and transaction
+    coordinators by id (:meth:`group_coordinator`, :meth:`transaction_coordinator`).
+    """
+
+    def __init__(
+        self,
+        nodes: int = 3,
+        *,
+        keep: bool = False,
+        startup_timeout: float = 120.0,
+        internal_partitions: int = 12,
+    ) -> None:
+        if nodes < 1:
+            raise KafkaBrokerError("a cluster needs at least one node")
+        self.keep = keep
+        self.startup_timeout = startup_timeout
+        self.internal_partitions = internal_partitions
+        self.replication = min(nodes, 3)
+        self.min_isr = max(1, self.replication - 1)
+        self.work_dir: Path | None = None
+        self.nodes = [ClusterNode(self, i) for i in range(nodes)]
+        self.startup_seconds = 0.0
+
+    # --- addresses --------------------------------------------------------------------------------
+
+    @property
+    def bootstrap(self) -> str:
+        """Every node's listener: a client reaches the cluster whichever node is down."""
+        return ",".join(node.bootstrap for node in self.nodes)
+
+    def index_of(self, node_id: int) -> int:
+        for node in self.nodes:
+            if node.node_id == node_id:
+                return node.index
+        raise KafkaBrokerError(f"no node with id {node_id}")
+
+    def _live(self, exclude: int | None = None) -> list[ClusterNode]:
+        return [n for n in self.nodes if n.running and n.index != exclude]
+
+    def _node_properties(self, node: ClusterNode) -> str:
+        work = node._work()
+        voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes)
+        props = {
+            "process.roles": "broker,controller",
+            "node.id": str(node.node_id),
+            "controller.quorum.voters": voters,
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listeners": f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "log.dirs": str(work / "data"),
+            "num.partitions": "1",
+            "default.replication.factor": str(self.replication),
+            "min.insync.replicas": str(self.min_isr),
+            "offsets.topic.replication.factor": str(self.replication),
+            "offsets.topic.num.partitions": str(self.internal_partitions),
+            "transaction.state.log.replication.factor": str(self.replication),
+            "transaction.state.log.min.isr": str(self.min_isr),
+            "transaction.state.log.num.partitions": str(self.internal_partitions),
+            "share.coordinator.state.topic.replication.factor": str(self.replication),
+            "share.coordinator.state.topic.min.isr": str(self.min_isr),
+            "unclean.leader.election.enable": "false",
+            "group.initial.rebalance.delay.ms": "0",
+            "auto.create.topics.enable": "false",
+            "log.cleaner.enable": "true",
+            "log.cleaner.threads": "1",
+            "log.cleaner.backoff.ms": "1000",
+            "log.cleaner.dedupe.buffer.size": str(16 * 1024 * 1024),
+        }
+        return "".join(f"{k}={v}\n" for k, v in props.items())
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Format every node's data dir with one cluster id, start them all, wait until each one
+        serves with every broker unfenced, create the internal topics (offsets, transactions) and
+        wait until every partition's ISR is full."""
+        if self.work_dir is not None:
+            raise KafkaBrokerError("cluster already started")
+        began = time.monotonic()
+        prepare()
+        self.work_dir = Path(tempfile.mkdtemp(prefix="sandbox-lanes-kafka-cluster-"))
+        try:
+            for node in self.nodes:
+                node.work_dir = self.work_dir / f"node-{node.node_id}"
+                node.work_dir.mkdir()
+                node.port, node.controller_port = _free_port(), _free_port()
+            cluster_id = _cluster_id()
+            formats = []
+            for node in self.nodes:
+                props = node._work() / "server.properties"
+                props.write_text(node._properties())
+                cmd = node._java(STORAGE_TOOL_MAIN, "format", "-t", cluster_id, "-c", str(props))
+                formats.append(
+                    (node, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+                )
+            for node, proc in formats:
+                out, _ = proc.communicate(timeout=120)
+                if proc.returncode != 0:
+                    tail = "\n".join(out.decode(errors="replace").splitlines()[-40:])
+                    raise KafkaBrokerError(f"format of node {node.index} failed ({proc.returncode}):\n{tail}")
+            for node in self.nodes:
+                node.launch()
+            deadline = began + self.startup_timeout
+            for node in self.nodes:
+                self._wait_serving(node, deadline)
+            self._wait_coordinators(deadline)
+            self.wait_isr_full(max(5.0, deadline - time.monotonic()), confirm=False)
+        except BaseException as exc:
+            tails = self._tails()
+            keep, self.keep = self.keep, True
+            self.stop()
+            self.keep = keep
+            if isinstance(exc, KafkaBrokerError):
+                raise KafkaBrokerError(f"{exc}\n{tails}") from exc
+            raise
+        self.startup_seconds = time.monotonic() - began
+
+    def _tails(self) -> str:
+        parts = []
+        for node in self.nodes:
+            if node.work_dir is not None:
+                parts.append(f"--- node {node.index} server.log ---\n{_tail(node.log_path, 20)}")
+                parts.append(
+                    f"--- node {node.index} console.log ---\n{_tail(node.work_dir / 'console.log', 10)}"
+                )
+        return "\n".join(parts) + (f"\nlogs kept in {self.work_dir}" if self.work_dir else "")
+
+    def _wait_serving(self, node: ClusterNode, deadline: float) -> None:
+        """Until ``node`` answers Metadata listing every node as an unfenced broker."""
+        last: Exception | str = "no answer yet"
+        want = {n.node_id for n in self.nodes}
+        while time.monotonic() < deadline:
+            if not node.running:
+                assert node.proc is not None
+                raise KafkaBrokerError(f"node {node.index} exited with code {node.proc.returncode}")
+            try:
+                brokers, _ = cluster_metadata("127.0.0.1", node.port)
+                if brokers >= want:
+                    return
+                last = f"unfenced brokers {sorted(brokers)}"
+            except (OSError, struct.error, UnicodeDecodeError) as exc:
+                last = exc
+            time.sleep(0.2)
+        raise KafkaBrokerError(f"node {node.index} not serving on {node.bootstrap} in time ({last})")
+
+    def _wait_coordinators(self, deadline: float) -> None:
+        """Ask for a group and a transaction coordinator until both exist: the broker creates
+        ``__consumer_offsets`` and ``__transaction_state`` on the first such question."""
+        for key_type in (GROUP_KEY, TRANSACTION_KEY):
+            self._coordinator("sandbox-lanes-cluster-warmup", key_type, max(1.0, deadline - time.monotonic()))
+
+    def kill(self, index: int) -> None:
+        """SIGKILL node ``index`` (no controlled shutdown) and reap it."""
+        node = self.nodes[index]
+        if not node.running:
+            raise KafkaBrokerError(f"node {index} is not running")
+        assert node.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(node.proc.pid, signal.SIGKILL)
+        node.proc.wait(30)
+
+    def start_node(self, index: int, timeout: float = 90.0) -> float:
+        """Start node ``index`` again on its data dir and ports; wait until it serves with every
+        broker unfenced. Returns the seconds it took."""
+        began = time.monotonic()
+        node = self.nodes[index]
+        node.launch()
+        self._wait_serving(node, began + timeout)
+        return time.monotonic() - began
+
+    def wait_fenced(self, index: int, timeout: float = 60.0) -> float:
+        """Until the live nodes no longer list node ``index`` as a broker and no partition is led by
+        it (the controller fenced it and moved its leaders). Returns the seconds it took."""
+        began = time.monotonic()
+        node_id = self.nodes[index].node_id
+        last = "no answer yet"
+        while time.monotonic() - began < timeout:
+            try:
+                views = [cluster_metadata("127.0.0.1", n.port) for n in self._live(exclude=index)]
+                led = [p for _, parts in views for p in parts if p.leader == node_id]
+                listed = [sorted(b) for b, _ in views if node_id in b]
+                if views and not led and not listed:
+                    return time.monotonic() - began
+                last = f"still listed by {len(listed)} node(s), leading {len(led)} partition(s)"
+            except (OSError, struct.error, UnicodeDecodeError) as exc:
+                last = str(exc)
+            time.sleep(0.2)
+        raise KafkaBrokerError(f"node {index} not fenced after {timeout:g}s: {last}")
+
+    def under_replicated(self) -> list[PartitionInfo]:
+        """Partitions whose ISR is not every replica (or that have no leader), as any live node sees
+        them (each node's metadata is asked; one lagging view counts)."""
+        found: dict[tuple[str, int], PartitionInfo] = {}
+        live = self._live()
+        if not live:
+            raise KafkaBrokerError("no node is running")
+        for node in live:
+            brokers, parts = cluster_metadata("127.0.0.1", node.port)
+            if brokers != {n.node_id for n in live}:
+                raise ConnectionError(f"node {node.index} lists brokers {sorted(brokers)}")
+            for p in parts:
+                if p.under_replicated:
+                    found.setdefault((p.topic, p.partition), p)
+        return list(found.values())
+
+    def under_replicated_by_tool(self) -> list[str]:
+        """``kafka-topics.sh --describe --under-replicated-partitions`` (TopicCommand): the lines it
+        prints, one per partition whose ISR is short (empty: none)."""
+        live = self._live()
+        if not live:
+            raise KafkaBrokerError("no node is running")
+        args = ["--bootstrap-server", ",".join(n.bootstrap for n in live), "--describe"]
+        result = live[0]._tool(TOPIC_MAIN, [*args, "--under-replicated-partitions"])
+        unavailable = live[0]._tool(TOPIC_MAIN, [*args, "--unavailable-partitions"])
+        lines = (result.stdout + unavailable.stdout).splitlines()
+        return [line.strip() for line in lines if line.strip()]
+
+    def wait_isr_full(self, timeout: float = 120.0, *, confirm: bool = True) -> float:
+        """Until every partition (internal topics included) has its whole replica set in its ISR on
+        every live node's metadata; with ``confirm``, then until the broker's own TopicCommand lists no
+        under-replicated or unavailable partition. Returns the seconds it took."""
+        began = time.monotonic()
+        last: object = "no answer yet"
+        while time.monotonic() - began < timeout:
+            try:
+                short = self.under_replicated()
+                if not short:
+                    if not confirm:
+                        return time.monotonic() - began
+                    lines = self.under_replicated_by_tool()
+                    if not lines:
+                        return time.monotonic() - began
+                    last = f"TopicCommand: {lines[:5]}"
+                else:
+                    last = short[:5]
+            except (OSError, struct.error, UnicodeDecodeError, KafkaBrokerError) as exc:
+                last = exc
+            time.sleep(0.3)
+        raise KafkaBrokerError(f"ISR not full after {timeout:g}s: {last}")
+
+    def _coordinator(self, key: str, key_type: int, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        last: Exception | str = "no node running"
+        while True:
+            for node in self._live():
+                try:
+                    return self.index_of(find_coordinator("127.0.0.1", node.port, key, key_type))
+                except (OSError, struct.error, UnicodeDecodeError) as exc:
+                    last = exc
+            if time.monotonic() > deadline:
+                raise KafkaBrokerError(f"no coordinator for {key!r} after {timeout:g}s: {last}")
+            time.sleep(0.2)
+
+    def group_coordinator(self, group_id: str, timeout: float = 30.0) -> int:
+        """Index of the node that is the consumer group's coordinator now (FindCoordinator)."""
+        return self._coordinator(group_id, GROUP_KEY, timeout)
+
+    def transaction_coordinator(self, transactional_id: str, timeout: float = 30.0) -> int:
+        """Index of the node that is the transactional id's coordinator now (FindCoordinator)."""
+        return self._coordinator(transactional_id, TRANSACTION_KEY, timeout)
+
+    def rss_bytes(self) -> list[int]:
+        """Resident memory of each node's JVM (0 for a node that is down)."""
+        return [node.rss_bytes() for node in self.nodes]
+
+    def stop(self) -> None:
+        """SIGTERM every node at once, SIGKILL what is left after a grace period; remove the data
+        unless keeping it."""
+        for node in self.nodes:
+            if node.running:
+                assert node.proc is not None
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(node.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15.0
+        for node in self.nodes:
+            if node.proc is None:
+                continue
+            try:
+                node.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(node.proc.pid, signal.SIGKILL)
+                node.proc.wait(10)
+            node.proc = None
+        if not self.keep and self.work_dir is not None:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+            self.work_dir = None
+            for node in self.nodes:
+                node.work_dir = None
+
+    def __enter__(self) -> KafkaCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 # --- CLI ---------------------------------------------------------------------------------------------
 
 
