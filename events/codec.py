@@ -287,11 +287,15 @@ def decode(
     allowed: dict[str, type[Message]] = INPUT_TYPES,
     record_time_ms: int | None = None,
     max_ahead_s: float | None = None,
+    topic_carries: str | None = None,
 ) -> Message:
     """Decode one record, or raise :class:`DecodeError` naming what is wrong.
 
     With ``max_ahead_s``, an input whose ``occurred_at`` is more than that ahead of
-    ``record_time_ms`` (the record's timestamp) is refused.
+    ``record_time_ms`` (the record's timestamp) is refused. With ``topic_carries`` (the one
+    ``ce_type`` the record's topic carries), a record of another type is refused before its
+    payload is read: a ``PhaseChanged`` labelled ``SessionDeleted`` would otherwise decode (protobuf
+    skips the fields it does not know) and end a live execution's session.
     """
     ce_type = header(headers, "ce_type")
     if ce_type is None or ce_type == "":
@@ -299,6 +303,8 @@ def decode(
     cls = allowed.get(ce_type)
     if cls is None:
         raise DecodeError(f"unknown event type '{ce_type}'")
+    if topic_carries is not None and ce_type != topic_carries:
+        raise DecodeError(f"event type '{ce_type}' on a topic that carries '{topic_carries}' only")
     if value is None:
         raise DecodeError("empty payload (tombstone) where an event was expected")
     limit = MAX_INPUT_BYTES if ce_type in INPUT_TYPES else MAX_PAYLOAD_BYTES
@@ -408,10 +414,17 @@ def decode_input(
     *,
     record_time_ms: int | None = None,
     max_ahead_s: float | None = None,
+    topic_carries: str | None = None,
 ) -> InputEvent:
     """:func:`decode` restricted to the input events, typed as such."""
     message = decode(
-        key, value, headers, allowed=INPUT_TYPES, record_time_ms=record_time_ms, max_ahead_s=max_ahead_s
+        key,
+        value,
+        headers,
+        allowed=INPUT_TYPES,
+        record_time_ms=record_time_ms,
+        max_ahead_s=max_ahead_s,
+        topic_carries=topic_carries,
     )
     assert isinstance(
         message, inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged | inputs_pb2.SessionDeleted

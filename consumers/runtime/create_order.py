@@ -2,11 +2,24 @@
 
 The inputs are separate topics, so a fetch (after a restart, a rebalance, a broker outage: any
 backlog) can hand out records before the creates produced earlier on the co-partitioned
-execution-created partition. A phase change of a not-yet-created execution waits while that
-partition has unapplied records older than it; only then (or after ``DEFER_UNKNOWN_S``) is it a
-dead letter. A session delete always waits so (a session's creates are on its partition number),
-so a create produced before the delete is applied before it; after ``DEFER_UNKNOWN_S`` it is
-applied regardless.
+execution-created partition. A phase change of a not-yet-created execution, and every session
+delete (a session's creates are on its partition number), waits while that partition may still
+hold a create produced before it. The wait is on *progress*, never on a clock: a broker fault
+that holds the execution-created partition back for ten minutes holds the record ten minutes.
+The record goes on (a phase change as a dead letter, "unknown execution") only once the pod has
+consumed the execution-created partition past the point where any create produced before it
+must be:
+
+- a fetch of that partition answered after the pod first looked at the record (plus
+  :data:`CREATE_APPEND_MARGIN_MS` for the fetch's own wait) showed its highwater, and
+- the pod's position on it has reached that highwater (past control records too, which is why
+  the position and not the last create applied is compared), and
+- no create of that partition fetched with this transaction's batch is still to be applied.
+
+Only the pod's own clock is read (when it first looked at the record, and when each fetch was
+answered), so a producer with a skewed clock can neither release a record early nor hold it for
+ever. A shortcut: once a create stamped later than the record was applied, every create produced
+before the record has been (same producer clock, as before).
 """
 
 from __future__ import annotations
@@ -15,11 +28,9 @@ import time
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
-#: How long a phase-changed record for a not-yet-created execution waits for the co-partitioned
-#: execution-created partition to catch up before it is dead-lettered.
-DEFER_UNKNOWN_S = 30.0
-#: How much later than a phase change a fetch of the execution-created partition must be to vouch
-#: that every create produced before that phase change is in it (producer send to broker append).
+#: How much later than the pod first looked at a record a fetch of the execution-created partition
+#: must be answered to vouch for it: the fetch may have been sent up to ``fetch_max_wait_ms``
+#: (500 ms) before its answer, and the record was appended before the pod saw it.
 CREATE_APPEND_MARGIN_MS = 1000
 #: Held records remembered at most (a bound on memory, not a limit anyone should reach).
 _MAX_HELD = 100_000
@@ -30,23 +41,33 @@ class CreateOrderGate:
 
     def __init__(self, created_topic: str) -> None:
         self._created_topic = created_topic
-        #: Per partition: (next offset, last record timestamp) applied and committed.
-        self._committed: dict[int, tuple[int, int]] = {}
+        #: Per partition: the timestamp of the last create applied and committed.
+        self._committed: dict[int, int] = {}
         #: The same within the transaction in progress.
-        self._in_progress: dict[int, tuple[int, int]] = {}
-        self._held_since: dict[tuple[str, int, int], float] = {}
+        self._in_progress: dict[int, int] = {}
+        #: Per partition: the last create offset of the transaction's batch not applied yet.
+        self._unapplied_upto: dict[int, int] = {}
+        #: When the pod first looked at each held record (its own wall clock, ms).
+        self._held_since: dict[tuple[str, int, int], int] = {}
 
-    def begin(self, partition: int) -> None:
-        """A transaction for ``partition`` starts from what was committed."""
+    def begin(self, partition: int, last_create_offset: int | None = None) -> None:
+        """A transaction for ``partition`` starts from what was committed; ``last_create_offset``:
+        the last execution-created record of its batch (None: none fetched)."""
         done = self._committed.get(partition)
         if done is None:
             self._in_progress.pop(partition, None)
         else:
             self._in_progress[partition] = done
+        if last_create_offset is None:
+            self._unapplied_upto.pop(partition, None)
+        else:
+            self._unapplied_upto[partition] = last_create_offset
 
     def applied(self, partition: int, offset: int, timestamp: int) -> None:
-        """A create at ``offset`` was applied in the transaction in progress."""
-        self._in_progress[partition] = (offset + 1, timestamp)
+        """A create at ``offset`` was applied (or dead-lettered) in the transaction in progress."""
+        self._in_progress[partition] = max(timestamp, self._in_progress.get(partition, -1))
+        if self._unapplied_upto.get(partition, -1) <= offset:
+            self._unapplied_upto.pop(partition, None)
 
     def committed(self, partition: int) -> None:
         done = self._in_progress.get(partition)
@@ -56,6 +77,9 @@ class CreateOrderGate:
     def forget(self, partition: int) -> None:
         """The partition moved away (or its writer was fenced): the next owner starts over."""
         self._committed.pop(partition, None)
+        self._in_progress.pop(partition, None)
+        self._unapplied_upto.pop(partition, None)
+        self._held_since = {ref: t for ref, t in self._held_since.items() if ref[1] != partition}
 
     def settled(self, rec: ConsumerRecord[bytes, bytes]) -> None:
         """The record was applied or dead-lettered: it is no longer held."""
@@ -66,25 +90,16 @@ class CreateOrderGate:
         created = TopicPartition(self._created_topic, rec.partition)
         if created not in consumer.assignment():
             return False
-        now = time.monotonic()
         if len(self._held_since) > _MAX_HELD:
             self._held_since.clear()
-        first = self._held_since.setdefault((rec.topic, rec.partition, rec.offset), now)
-        if now - first > DEFER_UNKNOWN_S:
-            return False
-        done = self._in_progress.get(rec.partition)
-        if done is None:
-            committed = await consumer.committed(created)
-            done = (committed if committed is not None and committed >= 0 else 0, -1)
-            self._in_progress[rec.partition] = done
-        next_offset, last_timestamp = done
-        if last_timestamp > rec.timestamp:
-            return False  # every create produced before this record has been applied (same ms: maybe not)
+        seen_ms = self._held_since.setdefault((rec.topic, rec.partition, rec.offset), int(time.time() * 1000))
+        if self._in_progress.get(rec.partition, -1) > rec.timestamp:
+            return False  # a create stamped after this record was applied (same ms: maybe not)
+        if rec.partition in self._unapplied_upto:
+            return True  # creates of this batch are still to be applied: look again next turn
         highwater = consumer.highwater(created)
-        if highwater is None or next_offset < highwater:
-            return True
-        # Caught up to the highwater of the last fetch of that partition: but that fetch may predate
-        # this record's create (each partition is fetched on its own schedule). Trust it only when
-        # it came well after this record was produced.
         polled = consumer.last_poll_timestamp(created)
-        return polled is None or polled <= rec.timestamp + CREATE_APPEND_MARGIN_MS
+        if highwater is None or polled is None or polled <= seen_ms + CREATE_APPEND_MARGIN_MS:
+            return True  # no answer from that partition's leader since the record was seen
+        position = await consumer.position(created)  # known (fetched): no broker round trip
+        return bool(position < highwater)

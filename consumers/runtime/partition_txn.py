@@ -152,6 +152,7 @@ class PartitionTransaction:
                 rec.headers,
                 record_time_ms=rec.timestamp,
                 max_ahead_s=self.config.max_clock_ahead_s,
+                topic_carries=self.config.topics.carries(rec.topic),
             )
         except DecodeError as exc:
             await self._dead_letter(rec, exc.reason)

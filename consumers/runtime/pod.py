@@ -18,10 +18,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -32,6 +32,7 @@ from consumers.lanes.commands import Command, CommandResult, Ensure
 from consumers.runtime.backpressure import FetchThrottle
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
+from consumers.runtime.episode import Episode
 from consumers.runtime.kafka.clients import (
     RebalanceHooks,
     group_consumer_for,
@@ -42,6 +43,7 @@ from consumers.runtime.kafka.codecs import require_codecs
 from consumers.runtime.kafka.failures import is_deterministic
 from consumers.runtime.kafka.sink import BatchSink, PartitionSinks
 from consumers.runtime.kafka.topology import prepare_pod_topics
+from consumers.runtime.kafka.txn_producer import DEADLINE_GRACE_S
 from consumers.runtime.kafka.unparsable import Doom, RecordRef, fetch_around_unparsable, record_ref
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.partition_txn import PartitionTransaction
@@ -54,6 +56,8 @@ from consumers.runtime.state.store import HeldStates, StateStore
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
+_T = TypeVar("_T")
+
 #: Part of the shutdown bound kept for closing the consumer and producer.
 _CLOSE_RESERVE_S = 5.0
 _Records = list[ConsumerRecord[bytes, bytes]]
@@ -65,12 +69,21 @@ _EXPIRY_CHECK_S = 1.0
 #: What a suspect partition's transaction is retried for: its results alone, or one record.
 _RESULTS = "results"
 #: Why the pod forgets partitions (see :meth:`Pod._forget`).
-Forgotten = Literal["released", "take-over failed", "fenced"]
+Forgotten = Literal["released", "take-over failed", "fenced", "abandoned"]
 _FORGET_MESSAGES: dict[Forgotten, str] = {
     "released": "partitions released: their driver results are void here, the next owner re-runs them",
-    "take-over failed": "taking partitions over failed; rejoining the group",
-    "fenced": "fenced: another writer owns the partition now; standing down and rejoining the group",
+    "take-over failed": "taking partitions over failed; retrying the take-over",
+    "fenced": (
+        "fenced: the partition's transactional id has a newer epoch (another writer took it over, or the"
+        " broker aborted a transaction past its timeout); standing down and rejoining the group"
+    ),
+    "abandoned": (
+        "the partition's producer is abandoned (a broker wait outlived its deadline, or an abort failed);"
+        " taking the partition over anew with a new producer"
+    ),
 }
+#: A driver result that could not be folded back, recorded as a failure of its call instead.
+_UNRECORDABLE = "its result could not be recorded ({attempts} attempts): {error}"
 
 
 @dataclass
@@ -84,6 +97,10 @@ class _Suspect:
 
     subject: RecordRef | str | None = None
     attempts: int = 0
+
+
+def _result_subject(effect_id: str) -> str:
+    return f"{_RESULTS}:{effect_id}"
 
 
 class Pod:
@@ -120,8 +137,17 @@ class Pod:
         self._owned: set[int] = set()
         #: Where :meth:`take_over` sought each partition: records fetched before that seek differ.
         self._sought: dict[TopicPartition, int] = {}
-        #: Set when a take-over failed: the loop re-subscribes, which rejoins the group.
+        #: Set when a partition was fenced: the loop re-subscribes between turns (never in the middle
+        #: of one: another partition's transaction may be committing), which rejoins the group.
         self._rejoin = False
+        #: Where the pod stands on each owned input partition: the next offset to read, as its last
+        #: commit (or its take-over) left it. Kept locally: a rewind needs no broker round trip, and
+        #: it cannot read an unstable committed offset just after a transaction.
+        self._standing: dict[TopicPartition, int] = {}
+        #: Take-overs that failed (the world): retried with backoff while the partitions stay assigned.
+        self._take_over_episode = Episode("taking partitions over", logger)
+        #: Effect ids whose results are being recorded as failures (their own fold kept failing).
+        self._unrecordable: set[str] = set()
         #: Take-overs in flight (at most one: a rebalance first releases, which cancels it).
         self._taking_over: set[asyncio.Task[None]] = set()
         #: When each effect was decided (monotonic), for the time-to-sandbox histogram.
@@ -286,10 +312,14 @@ class Pod:
         """
         if not assigned:
             return
+        self._start_take_over(assigned)
+
+    def _start_take_over(self, assigned: set[TopicPartition], delay_s: float = 0.0) -> None:
         assert self._consumer is not None
-        self._consumer.pause(*assigned)
+        with contextlib.suppress(Exception):  # a partition revoked meanwhile: its take-over is moot
+            self._consumer.pause(*assigned)
         self._restoring = True
-        task = asyncio.get_running_loop().create_task(self.take_over(assigned))
+        task = asyncio.get_running_loop().create_task(self.take_over(assigned, delay_s))
         self._taking_over.add(task)
         task.add_done_callback(self._taking_over.discard)
 
@@ -302,20 +332,35 @@ class Pod:
         async with self._batch_lock:
             await self._forget(partitions, "released")
 
-    async def take_over(self, assigned: set[TopicPartition]) -> None:
-        """Assigned: fence the previous writer, read the offsets it left, restore, resume its outbox."""
+    async def take_over(self, assigned: set[TopicPartition], delay_s: float = 0.0) -> None:
+        """Assigned: fence the previous writer, read the offsets it left, restore, resume its outbox.
+
+        A take-over that fails (the broker, a coordinator moving) forgets what it did and is tried
+        again with backoff while the partitions stay assigned here; a rebalance cancels it.
+        """
         partitions = {tp.partition for tp in assigned}
         self._restoring = True  # taking over is part of the recovery: not ready until restored
+        retry_in: float | None = None
+        try:
+            if delay_s > 0:
+                await asyncio.wait_for(self._stop.wait(), delay_s)
+                return  # stopping: nothing to take over
+        except TimeoutError:
+            pass
         try:
             await self._take_over(assigned, partitions)
+            self._take_over_episode.recovered()
         except Exception as exc:
-            # aiokafka logs a failed callback and carries on with the partitions assigned: they
-            # would sit idle here. Give them back instead; the next turn rejoins the group.
+            retry_in = self._take_over_episode.failed(exc)
             async with self._batch_lock:
                 await self._forget(partitions, "take-over failed", error=str(exc) or repr(exc))
-            self._rejoin = True
         finally:
             self._restoring = False
+        if retry_in is not None and self._consumer is not None and not self._stop.is_set():
+            still = {tp for tp in assigned if tp in self._consumer.assignment()}
+            if still:
+                self._start_take_over(still, retry_in)
+            return
         if self._consumer is not None:
             self._apply_backpressure()  # resumes what is owned (unless throttled or stopping)
 
@@ -326,7 +371,7 @@ class Pod:
             # exactly_once: InitProducerId for <group>-p<N> aborts (or waits out) the previous
             # owner's transaction, so the committed offsets read next are the stable ones.
             await self._sinks.open(partitions)
-            committed = {tp: await self._consumer.committed(tp) for tp in assigned}
+            committed = {tp: await self._bounded(self._consumer.committed(tp)) for tp in assigned}
             # From here to the end of the block nothing awaits: a turn sees the partitions either
             # not owned (their records dropped, fetched again from the seek) or owned with their
             # seek done and their epoch new.
@@ -334,6 +379,7 @@ class Pod:
                 if offset is not None and offset >= 0:
                     self._consumer.seek(tp, offset)
                     self._sought[tp] = offset
+                    self._standing[tp] = offset
             self.effects.own(partitions)
             self._owned |= partitions
         await self.restore(partitions)
@@ -374,28 +420,54 @@ class Pod:
     async def _run_effect(self, command: Command) -> CommandResult:
         return await self.processor.runner.run(command)
 
+    async def _bounded(self, call: Awaitable[_T]) -> _T:
+        """A broker call of the consumer's, waited on no longer than a transaction's deadline."""
+        return await asyncio.wait_for(call, self.config.transaction_timeout_ms / 1000 + DEADLINE_GRACE_S)
+
+    async def _pause_for(self, seconds: float) -> None:
+        """Wait ``seconds`` (a backoff), or less when a stop is requested."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+
     async def _loop(self) -> None:
+        """Fetch and turn until a stop is requested. A failure of the world on the way (a fetch,
+        a rewind, a restore, a client's own error: record faults never reach here) is waited out
+        with backoff, logged once per episode; only a requested stop ends the loop."""
         assert self._consumer is not None
+        episode = Episode("the pod's loop", logger)
         while not self._stop.is_set():
-            if self._rejoin:
-                self._rejoin = False
-                self._subscribe()
-            # While driver calls are out, turn often enough to fold their results back promptly.
-            busy = self.effects.outstanding > 0 or bool(self._retry)
-            timeout_ms = min(10, self.config.poll_timeout_ms) if busy else self.config.poll_timeout_ms
-            getmany = asyncio.ensure_future(self._fetch(timeout_ms))
-            stopper = asyncio.ensure_future(self._stop.wait())
-            done, _ = await asyncio.wait({getmany, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            stopper.cancel()
-            if getmany not in done:
-                getmany.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await getmany
-                break
-            fetched: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = getmany.result()
-            self._last_loop = self.stats.last_progress = time.monotonic()
-            await self._turn(fetched)
+            try:
+                if not await self._one_turn():
+                    break
+            except Exception as exc:
+                self._last_loop = time.monotonic()  # waiting out the world is not a stalled loop
+                await self._pause_for(episode.failed(exc))
+                continue
+            episode.recovered()
         await self._drain()
+
+    async def _one_turn(self) -> bool:
+        """One fetch and its turn; False when a stop was requested while fetching."""
+        assert self._consumer is not None
+        if self._rejoin:
+            self._rejoin = False
+            self._subscribe()
+        # While driver calls are out, turn often enough to fold their results back promptly.
+        busy = self.effects.outstanding > 0 or bool(self._retry)
+        timeout_ms = min(10, self.config.poll_timeout_ms) if busy else self.config.poll_timeout_ms
+        getmany = asyncio.ensure_future(self._fetch(timeout_ms))
+        stopper = asyncio.ensure_future(self._stop.wait())
+        done, _ = await asyncio.wait({getmany, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if getmany not in done:
+            getmany.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await getmany
+            return False
+        fetched: dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]] = getmany.result()
+        self._last_loop = self.stats.last_progress = time.monotonic()
+        await self._turn(fetched)
+        return True
 
     async def _fetch(self, timeout_ms: int) -> dict[TopicPartition, _Records]:
         """The next fetch; past a record the client cannot parse (see :mod:`unparsable`)."""
@@ -426,13 +498,23 @@ class Pod:
             return fetched
 
     async def _rewind(self, tp: TopicPartition) -> None:
-        """Back to where the pod stands on ``tp``: its committed offset (every turn leaves it there)."""
+        """Back to where the pod stands on ``tp`` (every turn leaves it at its last commit)."""
         assert self._consumer is not None
-        committed = await self._consumer.committed(tp)
-        if committed is None or committed < 0:
-            await self._consumer.seek_to_beginning(tp)
-        else:
-            self._consumer.seek(tp, committed)
+        standing = self._standing.get(tp)
+        if standing is not None:
+            self._consumer.seek(tp, standing)
+            return
+        # Nothing committed yet when it was taken over (auto_offset_reset=earliest): the beginning.
+        await self._bounded(self._consumer.seek_to_beginning(tp))
+
+    def _seek_back(self, fetched: Mapping[TopicPartition, _Records]) -> None:
+        """A turn that could not run: its records are read again (from where the pod stands)."""
+        assert self._consumer is not None
+        for tp, recs in fetched.items():
+            if not recs or tp.partition not in self._owned:
+                continue  # not owned: its take-over seeks it
+            with contextlib.suppress(Exception):  # revoked meanwhile: its next owner reads it
+                self._consumer.seek(tp, self._standing.get(tp, recs[0].offset))
 
     async def _drain(self) -> None:
         """Stopping: no new records; driver calls in flight finish (within the bound) and are folded back."""
@@ -453,14 +535,18 @@ class Pod:
         # Records arrive while the assignment callback is still taking a partition over, or for
         # a partition revoked meanwhile: keep only partitions taken over, restored first.
         work: dict[int, tuple[dict[TopicPartition, _Records], list[Completion]]] = {}
-        for tp, recs in fetched.items():
-            if not recs or tp.partition not in self._owned or tp.partition in self._fenced:
-                continue
-            if tp in self._sought and await self._drained_before_seek(tp, recs):
-                continue  # the fetch resumes at the take-over's seek
-            work.setdefault(tp.partition, ({}, []))[0][tp] = recs
-        if work:
-            await self.restore(set(work))
+        try:
+            for tp, recs in fetched.items():
+                if not recs or tp.partition not in self._owned or tp.partition in self._fenced:
+                    continue
+                if tp in self._sought and await self._drained_before_seek(tp, recs):
+                    continue  # the fetch resumes at the take-over's seek
+                work.setdefault(tp.partition, ({}, []))[0][tp] = recs
+            if work:
+                await self.restore(set(work))
+        except BaseException:
+            self._seek_back(fetched)  # nothing of the fetch was decided: it is read again
+            raise
         async with self._batch_lock:
             completions, self._retry = [*self._retry, *self.effects.take()], []
             for completion in completions:
@@ -546,8 +632,14 @@ class Pod:
         started = time.monotonic()
         limit: int | None = None
         if partition in self._suspects:
-            # Small steps: the results alone first, then one record per transaction.
-            limit = 0 if completions else 1
+            # Small steps: one result per transaction first, then one record per transaction, so
+            # the next failure names what fails and nothing else waits on it for long.
+            if completions:
+                self._retry.extend(completions[1:])
+                completions = completions[:1]
+                limit = 0
+            else:
+                limit = 1
         txn = PartitionTransaction(
             partition,
             sink,
@@ -563,7 +655,8 @@ class Pod:
             doomed=self._doomed,
             limit=limit,
         )
-        self._create_gate.begin(partition)
+        creates = batch.get(TopicPartition(self.config.topics.execution_created, partition))
+        self._create_gate.begin(partition, creates[-1].offset if creates else None)
         try:
             await sink.begin()
             await txn.expire(expiring)
@@ -577,7 +670,14 @@ class Pod:
                 await asyncio.shield(sink.abort())
             raise
         except Exception as exc:
-            await self._failed(txn, sink, batch, completions, exc)
+            try:
+                await self._failed(txn, sink, batch, completions, exc)
+            except Exception as inner:  # handling it failed too: the next turn starts it over
+                logger.exception(
+                    "handling a failed transaction failed",
+                    extra={"partition": partition, "error": repr(inner)},
+                )
+                self._retry.extend(completions)
             return
         self._committed(txn, started)
 
@@ -605,6 +705,7 @@ class Pod:
         else:
             self._fenced -= partitions
         self._sought = {tp: o for tp, o in self._sought.items() if tp.partition not in partitions}
+        self._standing = {tp: o for tp, o in self._standing.items() if tp.partition not in partitions}
         self.effects.disown(partitions)
         self._store.drop(partitions)
         for p in partitions:
@@ -625,7 +726,10 @@ class Pod:
         self.stats.max_transaction_s = max(self.stats.max_transaction_s, time.monotonic() - started)
         self.stats.commits_failing_since = None
         self._create_gate.committed(txn.partition)
+        for tp, offset in txn.offsets.items():
+            self._standing[tp] = offset
         for tp, offset in txn.held.items():
+            self._standing[tp] = offset
             with contextlib.suppress(Exception):
                 self._consumer.seek(tp, offset)
         for key, state in txn.overlay.items():
@@ -644,6 +748,7 @@ class Pod:
                 self._decided_at[effect_id] = (txn.partition, now)
         driver = self.processor.config.driver_name
         for completion, outcome in txn.folded:
+            self._unrecordable.discard(completion.effect_id)
             for output in outcome.outputs:
                 self.metrics.record_outcome(completion.command, output, driver)
             decided = self._decided_at.pop(completion.effect_id, None)
@@ -657,7 +762,10 @@ class Pod:
             self.metrics.outputs.labels(kind.rsplit(".", 1)[-1]).inc(n)
         self.metrics.batch_seconds.observe(now - started)
         self.metrics.state_keys.set(len(self._store))
+        assignment = self._consumer.assignment()
         for tp, off in txn.offsets.items():
+            if tp not in assignment:
+                continue  # revoked meanwhile (a rejoin): no lag of ours to report
             highwater = self._consumer.highwater(tp)
             if highwater is not None:
                 self.metrics.consumer_lag.labels(tp.topic, str(tp.partition)).set(max(0, highwater - off))
@@ -679,50 +787,66 @@ class Pod:
             )
         return self._sinks.get(partition)
 
-    def _give_up(self, txn: PartitionTransaction, completions: list[Completion], error: str) -> bool:
-        """Count a deterministic failure against what the transaction tried; True = drop its results.
+    def _give_up(
+        self, txn: PartitionTransaction, completions: list[Completion], error: str
+    ) -> list[Completion]:
+        """Count a deterministic failure against what the transaction tried; returns the results
+        to fold again.
 
-        The first such failure makes the partition a suspect (retried in small steps). A step that
-        fails ``dead_letter_attempts`` times is given up: its record is dead-lettered by the next
-        transaction (with this error as the reason), or its results are dropped.
+        The first such failure makes the partition a suspect: it is retried in small steps (one
+        result per transaction, then one record per transaction), so only what fails pays. A step
+        that fails ``dead_letter_attempts`` times is given up: a record is dead-lettered by the
+        next transaction (with this error as the reason); a result is recorded as a failure of its
+        driver call instead (its state can then finish and be removed), and only when even that
+        cannot be written is it dropped (counted, logged with its effect id).
         """
         suspect = self._suspects.get(txn.partition)
         if suspect is None:
             self._suspects[txn.partition] = suspect = _Suspect()
             if len(txn.attempted) + len(completions) > 1:
-                return False  # a batch: the small steps will tell which part fails
+                return completions  # a batch: the small steps will tell which part fails
         subject: RecordRef | str | None
-        if txn.limit == 0 or (completions and not txn.attempted):
-            subject = _RESULTS
+        if completions and not txn.attempted:
+            subject = _result_subject(completions[0].effect_id) if len(completions) == 1 else None
         else:
             subject = record_ref(txn.attempted[0]) if txn.attempted else None
         if subject != suspect.subject:
             suspect.subject, suspect.attempts = subject, 0
         suspect.attempts += 1
         if subject is None or suspect.attempts < self.config.dead_letter_attempts:
-            return False
+            return completions
         suspect.attempts = 0
         attempts = self.config.dead_letter_attempts
-        if subject == _RESULTS:
-            self.metrics.results_dropped.inc(len(completions))
+        if isinstance(subject, str):
+            (completion,) = completions
+            if completion.effect_id not in self._unrecordable:
+                self._unrecordable.add(completion.effect_id)
+                logger.error(
+                    "a driver result could not be folded back: recording its call as failed instead",
+                    extra={"partition": txn.partition, "effectId": completion.effect_id, "error": error},
+                )
+                failed = CommandResult(ok=False, error=_UNRECORDABLE.format(attempts=attempts, error=error))
+                return [completion._replace(result=failed)]
+            self._unrecordable.discard(completion.effect_id)
+            self._decided_at.pop(completion.effect_id, None)
+            self.metrics.results_dropped.inc()
             logger.error(
-                "driver results dropped: folding them back failed the same way every time",
+                "driver result dropped: neither it nor its failure could be recorded",
                 extra={
                     "partition": txn.partition,
                     "attempts": attempts,
                     "error": error,
-                    "effectIds": ",".join(c.effect_id for c in completions),
+                    "effectIds": completion.effect_id,
                 },
             )
-            return True
-        assert isinstance(subject, tuple)
+            return []
         reason = f"its transaction failed {attempts} times the same way: {error}"
         doomed = self._doomed.get(subject)
         # Its dead letter failed as well (the dead-letter topic's own limit): the next one is bare.
         self._doomed[subject] = (
             Doom(reason, unparsable=doomed.unparsable, bare=True) if doomed else Doom(reason)
         )
-        return False
+        return completions
 
     async def _failed(
         self,
@@ -732,7 +856,8 @@ class Pod:
         completions: list[Completion],
         exc: Exception,
     ) -> None:
-        """A transaction failed: rewind its records and fold its results again, or stand down if fenced."""
+        """A transaction failed: its records are read again and its results folded again; a
+        fenced writer stands down; an abandoned one is replaced by taking the partition over anew."""
         assert self._consumer is not None
         partition = txn.partition
         self.stats.commit_failures += 1
@@ -741,34 +866,44 @@ class Pod:
         if self.stats.commits_failing_since is None:
             self.stats.commits_failing_since = self.stats.last_commit_failure
         error = str(exc) or type(exc).__name__
-        fenced = isinstance(exc, ProducerFenced)
-        if not fenced:
-            try:
-                await sink.abort()
-            except Exception:
-                fenced = sink.guarantee == "exactly_once"  # the producer cannot go on: same as fenced
         for tp, records in batch.items():
             with contextlib.suppress(Exception):
                 self._consumer.seek(tp, records[0].offset)
-        if not fenced:
-            deterministic = is_deterministic(exc)
-            logger.error(
-                "transaction failed, rewinding",
-                extra={"partition": partition, "error": error, "deterministic": deterministic},
-            )
-            if sink.guarantee == "exactly_once" and (
-                deterministic or isinstance(exc, OutOfOrderSequenceNumber)
-            ):
-                # A batch the broker refused leaves aiokafka's sequence numbers behind the
-                # broker's: every later transaction would fail with OutOfOrderSequenceNumber.
-                # A new producer (InitProducerId: a new epoch) starts them afresh.
-                await self._sinks_renew(partition)
-            if deterministic and self._give_up(txn, completions, error):
-                return  # the results are dropped
-            self._retry.extend(completions)
+        if isinstance(exc, ProducerFenced):
+            # The transactional id has a newer epoch: another pod took the partition over (this
+            # one was paused past its session timeout), or the broker aborted the transaction past
+            # its timeout. Nothing of it may be written from here: stand down, and let the group
+            # decide who owns it (the loop rejoins between turns; a reassignment takes it over).
+            await self._forget({partition}, "fenced", error=error)
+            self._rejoin = True
             return
-        # Another pod took the partition over (this one was paused past its session timeout, or
-        # its transaction outlived the timeout): nothing of it may be written from here. Stand
-        # down and let the group decide who owns it; a rejoin reassigns it, fenced again.
-        await self._forget({partition}, "fenced", error=error)
-        self._subscribe()
+        if not sink.abandoned:
+            with contextlib.suppress(Exception):  # a failed abort abandons the producer
+                await sink.abort()
+        if sink.abandoned:
+            # Its transaction's fate is unknown here (a commit may still land): the new producer's
+            # InitProducerId settles it on the broker before the offsets and state are read again,
+            # so nothing is committed twice. The results are void; the restored outbox re-runs them.
+            await self._retake(partition, error)
+            return
+        deterministic = is_deterministic(exc)
+        logger.error(
+            "transaction failed, rewinding",
+            extra={"partition": partition, "error": error, "deterministic": deterministic},
+        )
+        if sink.guarantee == "exactly_once" and (deterministic or isinstance(exc, OutOfOrderSequenceNumber)):
+            # A batch the broker refused leaves the producer's sequence numbers behind the
+            # broker's: every later transaction would fail with OutOfOrderSequenceNumber.
+            # A new producer (InitProducerId: a new epoch) starts them afresh.
+            await self._sinks_renew(partition)
+        if deterministic:
+            completions = self._give_up(txn, completions, error)
+        self._retry.extend(completions)
+
+    async def _retake(self, partition: int, error: str) -> None:
+        """(The turn lock held.) Forget the partition and take it over again, still assigned here."""
+        assert self._consumer is not None
+        tps = {tp for tp in self._consumer.assignment() if tp.partition == partition}
+        await self._forget({partition}, "abandoned", error=error)
+        if tps and not self._stop.is_set():
+            self._start_take_over(tps)

@@ -22,13 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from consumers.runtime.kafka.txn_producer import TxnProducer, group_metadata
+from consumers.runtime.kafka.txn_producer import DEADLINE_GRACE_S, TxnProducer, group_metadata
 from events.codec import EncodedRecord
 
 Guarantee = Literal["exactly_once", "at_least_once"]
@@ -57,6 +56,10 @@ class BatchSink(Protocol):
 
     async def abort(self) -> None: ...
 
+    @property
+    def abandoned(self) -> bool:
+        """A broker wait outlived its deadline or an abort failed: the writer must be replaced."""
+
 
 class TransactionalSink:
     """``exactly_once``: the records go to librdkafka as they are decided; the commit flushes them."""
@@ -69,15 +72,19 @@ class TransactionalSink:
     def guarantee(self) -> Guarantee:
         return "exactly_once"
 
+    @property
+    def abandoned(self) -> bool:
+        return self.producer.abandoned
+
     async def begin(self) -> None:
         self.producer.begin()
         self._open = True
 
     async def send(self, topic: str, record: EncodedRecord, partition: int | None = None) -> None:
-        self.producer.produce(topic, record.value, record.key, record.headers, partition)
+        await self.producer.produce(topic, record.value, record.key, record.headers, partition)
 
     async def delete(self, topic: str, key: bytes, partition: int) -> None:
-        self.producer.produce(topic, None, key, None, partition)
+        await self.producer.produce(topic, None, key, None, partition)
 
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
         await self.producer.commit(offsets)
@@ -94,12 +101,23 @@ class AtLeastOnceSink:
     """``at_least_once`` on aiokafka: writes awaited, then the offsets committed."""
 
     def __init__(
-        self, producer: AIOKafkaProducer, consumer: AIOKafkaConsumer, *, sequential: bool = False
+        self,
+        producer: AIOKafkaProducer,
+        consumer: AIOKafkaConsumer,
+        *,
+        sequential: bool = False,
+        deadline_s: float = 20.0,
     ) -> None:
         self.producer = producer
         self._consumer = consumer
         self._sequential = sequential
+        #: The longest the commit waits on the broker (the writes, then the offsets).
+        self._deadline_s = deadline_s
         self._futures: list[asyncio.Future[object]] = []
+
+    @property
+    def abandoned(self) -> bool:
+        return False  # the shared producer outlives a failed transaction: nothing to replace
 
     @property
     def guarantee(self) -> Guarantee:
@@ -111,9 +129,10 @@ class AtLeastOnceSink:
     async def send(self, topic: str, record: EncodedRecord, partition: int | None = None) -> None:
         if self._sequential:
             # One record per produce request: Tansu's end offsets go wrong after multi-record batches.
-            await self.producer.send_and_wait(
-                topic, record.value, key=record.key, headers=record.headers, partition=partition
-            )
+            async with asyncio.timeout(self._deadline_s):
+                await self.producer.send_and_wait(
+                    topic, record.value, key=record.key, headers=record.headers, partition=partition
+                )
             return
         future = await self.producer.send(
             topic, record.value, key=record.key, headers=record.headers, partition=partition
@@ -122,20 +141,22 @@ class AtLeastOnceSink:
 
     async def delete(self, topic: str, key: bytes, partition: int) -> None:
         if self._sequential:
-            await self.producer.send_and_wait(topic, None, key=key, partition=partition)
+            async with asyncio.timeout(self._deadline_s):
+                await self.producer.send_and_wait(topic, None, key=key, partition=partition)
             return
         self._futures.append(await self.producer.send(topic, None, key=key, partition=partition))
 
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
-        if self._futures:
-            futures, self._futures = self._futures, []
-            # Every result retrieved, the first failure raised.
-            results = await asyncio.gather(*futures, return_exceptions=True)
-            for result in results:
-                if isinstance(result, BaseException):
-                    raise result
-        if offsets:
-            await self._consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()})
+        async with asyncio.timeout(self._deadline_s):  # a TimeoutError is the world's: retried
+            if self._futures:
+                futures, self._futures = self._futures, []
+                # Every result retrieved, the first failure raised.
+                results = await asyncio.gather(*futures, return_exceptions=True)
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
+            if offsets:
+                await self._consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()})
 
     async def abort(self) -> None:
         for future in self._futures:
@@ -176,15 +197,12 @@ class PartitionSinks:
         self._sinks: dict[int, BatchSink] = {}
         self._shared: AIOKafkaProducer | None = None
         self._metadata: object = None
-        #: librdkafka's blocking calls (init, offsets, commit, abort) wait here, never on the loop.
-        self._executor: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
         if self._guarantee == "at_least_once":
             self._shared = AIOKafkaProducer(**self._options)
             await self._shared.start()
             return
-        self._executor = ThreadPoolExecutor(max_workers=64, thread_name_prefix="sandbox-lanes-txn")
         self._metadata = group_metadata(self._group_id)
 
     def get(self, partition: int) -> BatchSink | None:
@@ -196,33 +214,36 @@ class PartitionSinks:
         if self._guarantee == "at_least_once":
             assert self._shared is not None
             for p in wanted:
-                self._sinks[p] = AtLeastOnceSink(self._shared, self._consumer, sequential=self._sequential)
+                self._sinks[p] = AtLeastOnceSink(
+                    self._shared,
+                    self._consumer,
+                    sequential=self._sequential,
+                    deadline_s=self._timeout_s + DEADLINE_GRACE_S,
+                )
             return
-        assert self._executor is not None
 
         async def one(partition: int) -> None:
-            assert self._executor is not None
             producer = TxnProducer(
                 self._txn_config,
                 transactional_id(self._group_id, partition),
                 self._metadata,
-                self._executor,
                 timeout_s=self._timeout_s,
             )
             try:
                 await producer.init()  # InitProducerId: bumps the epoch, aborts a zombie's open transaction
             except BaseException:  # failed or cancelled (revoked meanwhile): no half-open producer left
-                await asyncio.shield(producer.close())
+                producer.close()
                 raise
             self._sinks[partition] = TransactionalSink(producer)
 
         await asyncio.gather(*(one(p) for p in wanted))
 
     async def close(self, partitions: Iterable[int]) -> None:
+        """Close the partitions' producers: off the loop, never waited on (see ``TxnProducer.close``)."""
         gone = [self._sinks.pop(p) for p in list(partitions) if p in self._sinks]
         for sink in gone:
             if isinstance(sink, TransactionalSink):
-                await sink.producer.close()
+                sink.producer.close()
 
     async def stop(self) -> None:
         await self.close(list(self._sinks))
@@ -230,6 +251,3 @@ class PartitionSinks:
             with contextlib.suppress(Exception):
                 await self._shared.stop()
             self._shared = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None

@@ -22,7 +22,14 @@ from typing import Any, Literal
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, TopicAuthorizationFailedError, for_code
 
+from events.codec import TYPE_PREFIX
+from events.sandbox_lanes.v1 import inputs_pb2
+
 logger = logging.getLogger("sandbox_lanes.topology")
+
+INPUT_TYPE_CREATED = TYPE_PREFIX + inputs_pb2.ExecutionCreated.DESCRIPTOR.name
+INPUT_TYPE_PHASE_CHANGED = TYPE_PREFIX + inputs_pb2.PhaseChanged.DESCRIPTOR.name
+INPUT_TYPE_SESSION_DELETED = TYPE_PREFIX + inputs_pb2.SessionDeleted.DESCRIPTOR.name
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,14 @@ class Topics:
     @property
     def inputs(self) -> tuple[str, ...]:
         return (self.execution_created, self.phase_changed, self.session_deleted)
+
+    def carries(self, topic: str) -> str | None:
+        """The one input event type (``ce_type``) ``topic`` carries; None for a topic not an input."""
+        return {
+            self.execution_created: INPUT_TYPE_CREATED,
+            self.phase_changed: INPUT_TYPE_PHASE_CHANGED,
+            self.session_deleted: INPUT_TYPE_SESSION_DELETED,
+        }.get(topic)
 
     @property
     def co_partitioned(self) -> tuple[str, ...]:

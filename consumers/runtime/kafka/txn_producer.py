@@ -3,8 +3,18 @@
 The pod's ``exactly_once`` writes go through this: a record is handed to librdkafka with one C
 call (``produce``: no Python future, no Python batch building, the network in librdkafka's own
 threads), and the calls that wait on the broker (``init_transactions``, the offsets, the
-commit, the abort) run in a thread of their own executor, so the event loop never blocks on
-them. The fence is the one :mod:`consumers.runtime.kafka.sink` describes: one transactional id per
+commit, the abort) run in the producer's own daemon thread, so the event loop never blocks on
+them.
+
+Every such wait has a deadline in the pod (``timeout_s`` plus :data:`DEADLINE_GRACE_S`):
+librdkafka does not always honour its own timeout (``send_offsets_to_transaction`` waits on
+past it when the group coordinator goes away: librdkafka issues 5456 and 5511). Past the deadline the call
+raises :class:`BrokerWaitExpired` and the producer is *abandoned*: its thread may stay blocked
+inside librdkafka, which is why it is a daemon thread (an interpreter exit never waits on it)
+and why nothing is ever asked of that producer again; the pod takes the partition over anew
+with a new producer (a new epoch, which resolves the abandoned transaction on the broker).
+
+The fence is the one :mod:`consumers.runtime.kafka.sink` describes: one transactional id per
 input partition number; ``init_transactions`` bumps its epoch. The group metadata carries the
 group id only (generation -1), as the per-partition ids need: the broker then checks the
 epoch, not the group generation (KIP-447's per-pod mode is not used).
@@ -20,8 +30,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
+import threading
+import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar
 
 from aiokafka import TopicPartition
@@ -34,6 +46,11 @@ logger = logging.getLogger("sandbox_lanes.librdkafka")
 
 _T = TypeVar("_T")
 
+#: How much longer than the timeout it was given the pod waits for a librdkafka call to return.
+DEADLINE_GRACE_S: Final = 5.0
+#: How often a full producer queue is looked at again (the loop yields in between: no spinning).
+_QUEUE_FULL_WAIT_S: Final = 0.01
+
 #: librdkafka's own codes for a record refused for its content (a broker's refusal has a broker code).
 _LOCAL_RECORD_CODES: Final = frozenset({KafkaError._INVALID_ARG, KafkaError._BAD_MSG})
 
@@ -44,6 +61,57 @@ class TransactionError(AioKafkaError):  # type: ignore[misc]
 
 class RecordRefused(TransactionError):
     """librdkafka refused a record for its content before sending it: deterministic."""
+
+
+class BrokerWaitExpired(TransactionError):
+    """A broker wait outlived its deadline: the producer is abandoned (a failure of the world)."""
+
+
+class _Worker:
+    """One daemon thread running a producer's blocking calls in order, answering on the loop.
+
+    A daemon thread, not an executor's: a call stuck inside librdkafka must not keep the
+    interpreter from exiting (``ThreadPoolExecutor`` threads are joined at exit).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future[Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (item := self._calls.get()) is not None:
+            call, future = item
+            try:
+                result = call()
+            except BaseException as exc:  # handed to the awaiting coroutine
+                _answer(future, None, exc)
+            else:
+                _answer(future, result, None)
+            del item, call, future  # no reference to the producer outlives the call
+
+    def submit(self, call: Callable[[], _T]) -> asyncio.Future[_T]:
+        future: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
+        self._calls.put((call, future))
+        return future
+
+    def stop(self) -> None:
+        self._calls.put(None)
+
+
+def _answer(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    def settle() -> None:
+        if future.done():
+            return  # the waiter gave up (deadline, cancellation)
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+        future.get_loop().call_soon_threadsafe(settle)
 
 
 def translate(exc: BaseException) -> BaseException:
@@ -92,11 +160,10 @@ class TxnProducer:
         config: Mapping[str, Any],
         transactional_id: str,
         metadata: object,
-        executor: ThreadPoolExecutor,
         *,
         timeout_s: float,
     ) -> None:
-        self._producer = Producer(
+        self._producer: Producer | None = Producer(
             {
                 **config,
                 "transactional.id": transactional_id,
@@ -109,9 +176,19 @@ class TxnProducer:
         #: The first record that failed in the open transaction: its error, topic and partition.
         self._failed: tuple[KafkaError, str] | None = None
         self._metadata = metadata
-        self._executor = executor
         self._timeout_s = timeout_s
+        #: librdkafka is given ``timeout_s``; the pod waits this long at most.
+        self.deadline_s = timeout_s + DEADLINE_GRACE_S
         self.transactional_id = transactional_id
+        self._worker = _Worker(f"sandbox-lanes-txn-{transactional_id}")
+        #: A broker wait outlived its deadline, or an abort failed: nothing more is asked of it.
+        self.abandoned = False
+
+    @property
+    def _handle(self) -> Producer:
+        if self._producer is None or self.abandoned:
+            raise BrokerWaitExpired(f"{self.transactional_id}: the producer was abandoned or closed")
+        return self._producer
 
     def _delivered(self, error: KafkaError | None, message: Any) -> None:
         if error is not None and self._failed is None:
@@ -120,8 +197,21 @@ class TxnProducer:
             self._failed = (error, f"{topic} [{partition}]" if known else topic)
 
     async def _blocking(self, call: Callable[..., _T], *args: Any) -> _T:
+        """``call(*args)`` in the producer's thread, awaited up to :attr:`deadline_s`."""
+        future = self._worker.submit(lambda: call(*args))
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, call, *args)
+            return await asyncio.wait_for(asyncio.shield(future), self.deadline_s)
+        except TimeoutError:
+            self.abandoned = True
+            name = getattr(call, "__name__", "a call")
+            raise BrokerWaitExpired(
+                f"{self.transactional_id}: {name} did not return within {self.deadline_s:g}s"
+            ) from None
+        except asyncio.CancelledError:
+            # The caller stopped waiting (a shutdown bound): the call may still be running in
+            # the thread, so the producer is no longer in a known state.
+            self.abandoned = True
+            raise
         except KafkaException as exc:
             failed = self._failed
             if failed is not None:  # the record behind the failure: its own code, its topic named
@@ -130,60 +220,95 @@ class TxnProducer:
 
     async def init(self) -> None:
         """InitProducerId: bumps the epoch, aborts (or waits out) a previous owner's open transaction."""
-        self._producer.poll(0)  # serves an OAUTHBEARER token callback before the first request
-        await self._blocking(self._producer.init_transactions, self._timeout_s)
+        producer = self._handle
+        producer.poll(0)  # serves an OAUTHBEARER token callback before the first request
+        await self._blocking(producer.init_transactions, self._timeout_s)
 
     def begin(self) -> None:
         self._failed = None
         try:
-            self._producer.begin_transaction()
+            self._handle.begin_transaction()
         except KafkaException as exc:
             raise translate(exc) from exc
 
-    def produce(
+    async def produce(
         self, topic: str, value: bytes | None, key: bytes, headers: Any, partition: int | None
     ) -> None:
-        """Hand one record to librdkafka (no network wait); a full queue is served first."""
+        """Hand one record to librdkafka (no network wait).
+
+        A full queue is waited on without blocking the loop (deliveries free it), up to the
+        deadline: a queue that stays full means the broker is not taking records.
+        """
         kwargs: dict[str, Any] = {"key": key, "value": value}
         if headers:
             kwargs["headers"] = headers
         if partition is not None:
             kwargs["partition"] = partition
+        producer = self._handle
+        give_up_at: float | None = None
         while True:
             try:
-                self._producer.produce(topic, **kwargs)
+                producer.produce(topic, **kwargs)
                 return
             except BufferError:
-                self._producer.poll(0.05)  # the queue is full: deliveries free it
+                producer.poll(0)  # serves delivery reports without waiting
+                now = time.monotonic()
+                if give_up_at is None:
+                    give_up_at = now + self.deadline_s
+                elif now > give_up_at:
+                    self.abandoned = True
+                    raise BrokerWaitExpired(
+                        f"{self.transactional_id}: the producer's queue stayed full for {self.deadline_s:g}s"
+                    ) from None
+                await asyncio.sleep(_QUEUE_FULL_WAIT_S)
             except KafkaException as exc:
                 raise translate(exc) from exc
 
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
         """The input offsets into the transaction, then its commit (flushes every record first)."""
+        producer = self._handle
         if offsets:
             await self._blocking(
-                self._producer.send_offsets_to_transaction,
+                producer.send_offsets_to_transaction,
                 [RdTopicPartition(tp.topic, tp.partition, off) for tp, off in offsets.items()],
                 self._metadata,
                 self._timeout_s,
             )
-        await self._blocking(self._producer.commit_transaction, self._timeout_s)
+        await self._blocking(producer.commit_transaction, self._timeout_s)
 
     async def flush(self) -> None:
         """Wait until every record handed over so far is on the broker (still uncommitted)."""
-        await self._blocking(self._producer.flush, self._timeout_s)
+        producer = self._handle
+        await self._blocking(producer.flush, self._timeout_s)
 
     async def abort(self) -> None:
-        await self._blocking(self._producer.abort_transaction, self._timeout_s)
+        producer = self._handle
+        try:
+            await self._blocking(producer.abort_transaction, self._timeout_s)
+        except BaseException:
+            self.abandoned = True  # an abort that failed leaves the producer in no known state
+            raise
 
-    async def close(self) -> None:
-        """Drop what is queued and release librdkafka's threads (in the executor: it may block)."""
+    def close(self) -> None:
+        """Drop what is queued and release librdkafka's handle, off the loop, without waiting.
 
-        producer = self._producer
+        The handle is purged and destroyed in a daemon thread of its own (its worker may be stuck
+        in a broker wait): the loop never blocks on it, and an interpreter exit never waits on it.
+        The pod keeps no reference, so the handle is destroyed by that thread, not by the garbage
+        collector on the loop thread.
+        """
+        producer, self._producer = self._producer, None
+        self.abandoned = True
+        self._worker.stop()
+        if producer is None:
+            return
 
-        def destroy() -> None:
-            producer.purge()
-            producer.flush(0)
+        def destroy(handle: Producer) -> None:
+            with contextlib.suppress(Exception):  # a fatal producer refuses purge; destroyed all the same
+                handle.purge()
+                handle.flush(0)
 
-        with contextlib.suppress(Exception):  # a fatal producer refuses purge; it is dropped all the same
-            await asyncio.get_running_loop().run_in_executor(self._executor, destroy)
+        threading.Thread(
+            target=destroy, args=(producer,), name=f"sandbox-lanes-close-{self.transactional_id}", daemon=True
+        ).start()
+        del producer

@@ -15,6 +15,7 @@ stands (the pod: its committed offset, where each turn leaves every partition).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
@@ -112,25 +113,33 @@ async def fetch_around_unparsable(
         await rewind(tp)
     fetched: dict[TopicPartition, Records] = {}
     doomed: dict[RecordRef, Doom] = {}
-    for tp in candidates:
-        try:
-            got = await consumer.getmany(tp, timeout_ms=poll_ms, max_records=max_records)
-        except Exception as exc:
-            if not is_deterministic(exc):
-                raise
-            await rewind(tp)
-            ahead, bad, cause = await _locate(consumer, tp, poll_ms)
-            if bad is not None and cause is not None:
-                reason = unparsable_reason(cause)
-                logger.error(
-                    "record the Kafka client cannot parse: dead-lettering it",
-                    extra={"topic": tp.topic, "partition": tp.partition, "offset": bad, "reason": reason},
-                )
-                doomed[(tp.topic, tp.partition, bad)] = Doom(reason, unparsable=True)
-                ahead.append(_placeholder(tp, bad, ahead[-1].timestamp if ahead else 0))
-                consumer.seek(tp, bad + 1)
-            if ahead:
-                fetched[tp] = ahead
-            continue
-        fetched.update({p: recs for p, recs in got.items() if recs})
+    try:
+        for tp in candidates:
+            try:
+                got = await consumer.getmany(tp, timeout_ms=poll_ms, max_records=max_records)
+            except Exception as exc:
+                if not is_deterministic(exc):
+                    raise
+                await rewind(tp)
+                ahead, bad, cause = await _locate(consumer, tp, poll_ms)
+                if bad is not None and cause is not None:
+                    reason = unparsable_reason(cause)
+                    logger.error(
+                        "record the Kafka client cannot parse: dead-lettering it",
+                        extra={"topic": tp.topic, "partition": tp.partition, "offset": bad, "reason": reason},
+                    )
+                    doomed[(tp.topic, tp.partition, bad)] = Doom(reason, unparsable=True)
+                    ahead.append(_placeholder(tp, bad, ahead[-1].timestamp if ahead else 0))
+                    consumer.seek(tp, bad + 1)
+                if ahead:
+                    fetched[tp] = ahead
+                continue
+            fetched.update({p: recs for p, recs in got.items() if recs})
+    except BaseException:
+        # A failure of the world midway (a rebalance, the broker): nothing of this scan is handed
+        # on, so every partition it read goes back to where the scan found it.
+        for tp in candidates:
+            with contextlib.suppress(Exception):
+                await rewind(tp)
+        raise
     return fetched, doomed

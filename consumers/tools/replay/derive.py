@@ -240,6 +240,7 @@ async def replay(
                     rec.headers,
                     record_time_ms=rec.timestamp,
                     max_ahead_s=max_clock_ahead_s,
+                    topic_carries=topics.carries(rec.topic),
                 )
             except DecodeError as exc:
                 if compare:
