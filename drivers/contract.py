@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Final, Literal, Protocol, runtime_checkable
 
 SandboxScope = Literal["session", "workflow", "connect"]
 SandboxProbeState = Literal["absent", "stopped", "running"]
@@ -50,6 +50,10 @@ class SandboxEnvironment:
     caller_class: str = ""
 
 
+#: The installation a driver config names when none is given: the pod's default consumer group.
+DEFAULT_INSTALLATION: Final = "sandbox-lanes"
+
+
 @dataclass(frozen=True)
 class DriverConfig:
     """Driver configuration (upstream ``SandboxDriverConfig``); endpoints and images live here."""
@@ -69,6 +73,10 @@ class DriverConfig:
     #: The pod's own secret settings (the signing key, its file, Kafka credentials): a driver whose
     #: runner inherits the pod's environment (local-process) leaves these out.
     withheld_env: frozenset[str] = frozenset()
+    #: The installation (``stigmer.ai/installation``): every object the driver makes carries it, and
+    #: the driver acts only on objects that carry it (two installations may share a namespace or an
+    #: engine). The pod sets it from ``SANDBOX_LANES_INSTALLATION`` (default: its consumer group).
+    installation: str = DEFAULT_INSTALLATION
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,9 @@ class SandboxCollision(SandboxError):
     Names are upstream's ``sbx-<code>-<first 12 hex of sha256(id)>`` (48 bits), so two ids can share
     one. A driver raises this before it touches the object: an ensure fails (the pod records
     ``SandboxFailed`` with this message) and the other owner's object is left as it was.
-    ``owner`` is the other object's ``stigmer.ai/sandbox-id`` (``None``: it carries none).
+    ``owner`` is the other object's ``stigmer.ai/sandbox-id`` (``None``: it carries none);
+    ``owner_installation`` its ``stigmer.ai/installation`` when that is not ``installation`` (this
+    driver's), so an object of another installation (or of none) is named as such.
     """
 
     def __init__(
@@ -106,6 +116,8 @@ class SandboxCollision(SandboxError):
         sandbox_id: str,
         owner: str | None,
         owner_scope: str | None = None,
+        owner_installation: str | None = None,
+        installation: str | None = None,
     ) -> None:
         self.driver = driver
         self.kind = kind
@@ -114,11 +126,18 @@ class SandboxCollision(SandboxError):
         self.scope = scope
         self.sandbox_id = sandbox_id
         self.owner = owner
+        self.owner_installation = owner_installation
         held_by = (
             f"{owner_scope or scope} '{owner}'"
             if owner is not None
             else "no sandbox of this server (no stigmer.ai/sandbox-id label)"
         )
+        if owner is not None and installation is not None and owner_installation != installation:
+            held_by += (
+                f" of installation '{owner_installation}'"
+                if owner_installation
+                else " of no installation (no stigmer.ai/installation label)"
+            )
         super().__init__(
             f"{driver} sandbox name collision: {kind} {where} belongs to {held_by}, not to {scope} "
             f"'{sandbox_id}' (both map to the name {name}); the {kind} was left untouched"

@@ -27,6 +27,7 @@ image's own), ``memory`` (default ``2g``), ``cpus`` (default ``2``),
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shlex
@@ -49,11 +50,14 @@ from drivers.contract import (
     SandboxScope,
     ScopedMethods,
 )
+from drivers.locks import KeyedLocks
 from drivers.naming import (
+    LABEL_INSTALLATION,
     LABEL_MANAGED_BY,
     LABEL_SANDBOX_ID,
     LABEL_SCOPE,
     MANAGED_BY_VALUE,
+    is_owned_by,
     label_owner,
     sandbox_base_name,
     sandbox_labels,
@@ -181,13 +185,8 @@ class DockerSettings:
         )
 
 
-def _is_ours(attrs: Mapping[str, Any], scope: SandboxScope, sandbox_id: str) -> bool:
-    labels: Mapping[str, str] = (attrs.get("Config") or {}).get("Labels") or {}
-    return (
-        labels.get(LABEL_MANAGED_BY) == MANAGED_BY_VALUE
-        and labels.get(LABEL_SANDBOX_ID) == sandbox_id
-        and labels.get(LABEL_SCOPE, scope) == scope
-    )
+def _is_ours(attrs: Mapping[str, Any], scope: SandboxScope, sandbox_id: str, installation: str) -> bool:
+    return is_owned_by(_labels(attrs), scope, sandbox_id, installation)
 
 
 def _labels(attrs: Mapping[str, Any]) -> Mapping[str, str]:
@@ -195,10 +194,11 @@ def _labels(attrs: Mapping[str, Any]) -> Mapping[str, str]:
     return labels
 
 
-def _other_sandbox(attrs: Mapping[str, Any], scope: SandboxScope, sandbox_id: str) -> bool:
-    """Another managed sandbox's container (its id shares this one's name): a name collision."""
+def _other_sandbox(attrs: Mapping[str, Any], scope: SandboxScope, sandbox_id: str, installation: str) -> bool:
+    """Another managed sandbox's container (another id sharing this one's name, or another
+    installation's sandbox on the same engine): a name collision."""
     owner = label_owner(_labels(attrs))
-    return owner is not None and not _is_ours(attrs, scope, sandbox_id)
+    return owner is not None and not _is_ours(attrs, scope, sandbox_id, installation)
 
 
 def _state_of(attrs: Mapping[str, Any]) -> SandboxProbeState:
@@ -219,7 +219,9 @@ class DockerProvisioner(ScopedMethods):
         self._settings = DockerSettings.from_config(config)
         self._client: Any = None
         self._client_lock = asyncio.Lock()
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._installation = config.installation
+        #: One lock per container name while an ensure or a deprovision uses it.
+        self._locks = KeyedLocks()
 
     @property
     def driver_name(self) -> str:
@@ -279,25 +281,21 @@ class DockerProvisioner(ScopedMethods):
             raise self._engine_error(exc) from exc
         return attrs
 
-    def _lock(self, name: str) -> asyncio.Lock:
-        lock = self._locks.get(name)
-        if lock is None:
-            lock = self._locks[name] = asyncio.Lock()
-        return lock
+    def _lock(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._locks.hold(name)
 
-    def _forget_lock(self, name: str) -> None:
-        """After a deprovision: one lock per live sandbox, not per name ever seen (a pod that
-        runs for months sees millions of names)."""
-        lock = self._locks.get(name)
-        if lock is not None and not lock.locked():
-            del self._locks[name]
+    def _ours(self, attrs: Mapping[str, Any], scope: SandboxScope, sandbox_id: str) -> bool:
+        return _is_ours(attrs, scope, sandbox_id, self._installation)
+
+    def _others(self, attrs: Mapping[str, Any], scope: SandboxScope, sandbox_id: str) -> bool:
+        return _other_sandbox(attrs, scope, sandbox_id, self._installation)
 
     def _not_ours(
         self, attrs: Mapping[str, Any], name: str, scope: SandboxScope, sandbox_id: str
     ) -> SandboxError:
         """Another sandbox's container is a :class:`SandboxCollision` naming it and its owner;
         a container of no sandbox of ours keeps the ``refusing`` error."""
-        if _other_sandbox(attrs, scope, sandbox_id):
+        if self._others(attrs, scope, sandbox_id):
             labels = _labels(attrs)
             return SandboxCollision(
                 DRIVER_NAME,
@@ -308,6 +306,8 @@ class DockerProvisioner(ScopedMethods):
                 sandbox_id,
                 label_owner(labels),
                 labels.get(LABEL_SCOPE),
+                labels.get(LABEL_INSTALLATION),
+                self._installation,
             )
         return self._foreign(name, scope, sandbox_id)
 
@@ -316,7 +316,8 @@ class DockerProvisioner(ScopedMethods):
         return SandboxError(
             f"docker container name '{name}' is taken by a container that is not the managed sandbox "
             f"for {scope} '{sandbox_id}' (labels {LABEL_MANAGED_BY}={MANAGED_BY_VALUE}, "
-            f"{LABEL_SANDBOX_ID}={sandbox_id} missing or different); refusing to use or remove it"
+            f"{LABEL_INSTALLATION}={self._installation}, {LABEL_SANDBOX_ID}={sandbox_id} missing or "
+            "different); refusing to use or remove it"
         )
 
     # -- contract ------------------------------------------------------------
@@ -331,11 +332,11 @@ class DockerProvisioner(ScopedMethods):
                 attrs = await self._create(scope, sandbox_id, name, env)
                 if attrs is None:
                     return "running"
-            if not _is_ours(attrs, scope, sandbox_id):
+            if not self._ours(attrs, scope, sandbox_id):
                 raise self._not_ours(attrs, name, scope, sandbox_id)
             if _state_of(attrs) == "running":
                 return "running"
-            await self._start(attrs)
+            await self._start(attrs, scope, sandbox_id)
             self._logger.info(
                 "Docker sandbox restarted",
                 extra={"scope": scope, "id": sandbox_id, "container": name},
@@ -375,7 +376,7 @@ class DockerProvisioner(ScopedMethods):
             host["tmpfs"] = {"/tmp": "rw,nosuid,nodev"}
         kwargs: dict[str, Any] = {
             "name": name,
-            "labels": sandbox_labels(scope, sandbox_id),
+            "labels": sandbox_labels(scope, sandbox_id, self._config.installation),
             "user": CONTAINER_USER,
             "working_dir": CONTAINER_WORKDIR,
             "environment": contract.merged(),
@@ -407,7 +408,7 @@ class DockerProvisioner(ScopedMethods):
             existing = await self._await_existing(name)
             if existing is None:
                 continue  # the holder vanished (e.g. removed); try the create again
-            if not _is_ours(existing, scope, sandbox_id):
+            if not self._ours(existing, scope, sandbox_id):
                 raise self._not_ours(existing, name, scope, sandbox_id)
             self._logger.info(
                 "Docker sandbox adopted",
@@ -455,7 +456,9 @@ class DockerProvisioner(ScopedMethods):
                 return attrs
             await asyncio.sleep(0.05)
 
-    async def _start(self, attrs: Mapping[str, Any]) -> None:
+    async def _start(self, attrs: Mapping[str, Any], scope: SandboxScope, sandbox_id: str) -> None:
+        """Start (or unpause) the container checked, by its id: a same-named replacement is not it.
+        Docker has no conditional start, so the id is the guard (the engine never reuses one)."""
         client = await self._docker()
         container_id = str(attrs["Id"])
         paused = bool((attrs.get("State") or {}).get("Paused"))
@@ -469,57 +472,63 @@ class DockerProvisioner(ScopedMethods):
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
         name = sandbox_base_name(scope, sandbox_id)
-        try:
-            async with self._lock(name):
-                attrs = await self._inspect(name)
-                if attrs is None:
-                    return
-                if _other_sandbox(attrs, scope, sandbox_id):
-                    # Another sandbox's container under the shared name: nothing of this one's to remove.
-                    labels = _labels(attrs)
-                    self._logger.warning(
-                        LOG_LEFT_ALONE,
-                        extra={
-                            "scope": scope,
-                            "id": sandbox_id,
-                            "container": name,
-                            "ownerId": label_owner(labels),
-                            "leftAlone": f"container {name} of {labels.get(LABEL_SCOPE, scope)} "
-                            f"'{label_owner(labels)}'",
-                        },
-                    )
-                    return
-                if not _is_ours(attrs, scope, sandbox_id):
-                    raise self._foreign(name, scope, sandbox_id)
-                client = await self._docker()
-                container_id = str(attrs["Id"])
-                try:
-                    # By id, so a same-named replacement created meanwhile is never touched.
-                    await self._call(lambda: client.api.remove_container(container_id, force=True, v=True))
-                except docker.errors.NotFound:
-                    pass
-                except docker.errors.APIError as exc:
-                    if exc.status_code != 409 or "already in progress" not in str(exc):
-                        raise self._engine_error(exc) from exc
-                self._logger.info(
-                    "Docker sandbox deprovisioned",
-                    extra={"scope": scope, "id": sandbox_id, "container": name},
+        async with self._lock(name):
+            attrs = await self._inspect(name)
+            if attrs is None:
+                return
+            if self._others(attrs, scope, sandbox_id):
+                # Another sandbox's container under the shared name: nothing of this one's to remove.
+                labels = _labels(attrs)
+                self._logger.warning(
+                    LOG_LEFT_ALONE,
+                    extra={
+                        "scope": scope,
+                        "id": sandbox_id,
+                        "container": name,
+                        "ownerId": label_owner(labels),
+                        "ownerInstallation": labels.get(LABEL_INSTALLATION),
+                        "leftAlone": f"container {name} of {labels.get(LABEL_SCOPE, scope)} "
+                        f"'{label_owner(labels)}'"
+                        + (
+                            ""
+                            if labels.get(LABEL_INSTALLATION) == self._installation
+                            else f" of installation '{labels.get(LABEL_INSTALLATION) or ''}'"
+                        ),
+                    },
                 )
-        finally:
-            self._forget_lock(name)
+                return
+            if not self._ours(attrs, scope, sandbox_id):
+                raise self._foreign(name, scope, sandbox_id)
+            client = await self._docker()
+            container_id = str(attrs["Id"])
+            try:
+                # By id, so a same-named replacement created meanwhile is never touched.
+                await self._call(lambda: client.api.remove_container(container_id, force=True, v=True))
+            except docker.errors.NotFound:
+                pass
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409 or "already in progress" not in str(exc):
+                    raise self._engine_error(exc) from exc
+            self._logger.info(
+                "Docker sandbox deprovisioned",
+                extra={"scope": scope, "id": sandbox_id, "container": name},
+            )
 
     async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:
         name = sandbox_base_name(scope, sandbox_id)
         attrs = await self._inspect(name)
-        if attrs is None or _other_sandbox(attrs, scope, sandbox_id):
+        if attrs is None or self._others(attrs, scope, sandbox_id):
             return "absent"  # (another sandbox's container holds nothing of this one's)
-        if not _is_ours(attrs, scope, sandbox_id):
+        if not self._ours(attrs, scope, sandbox_id):
             raise self._foreign(name, scope, sandbox_id)
         return _state_of(attrs)
 
     async def list_managed(self) -> list[ManagedSandbox]:
         client = await self._docker()
-        filters = {"label": f"{LABEL_MANAGED_BY}={MANAGED_BY_VALUE}"}
+        # This installation's containers only (both labels must match: the engine ANDs them).
+        filters = {
+            "label": [f"{LABEL_MANAGED_BY}={MANAGED_BY_VALUE}", f"{LABEL_INSTALLATION}={self._installation}"]
+        }
         try:
             rows: list[dict[str, Any]] = await self._call(
                 lambda: client.api.containers(all=True, filters=filters)
@@ -531,7 +540,7 @@ class DockerProvisioner(ScopedMethods):
             labels: Mapping[str, str] = row.get("Labels") or {}
             scope = next((sc for sc in SCOPES if sc == labels.get(LABEL_SCOPE)), None)
             sandbox_id = labels.get(LABEL_SANDBOX_ID, "")
-            if scope is None or not sandbox_id:
+            if scope is None or not sandbox_id or labels.get(LABEL_INSTALLATION) != self._installation:
                 continue
             names: list[str] = row.get("Names") or []
             name = names[0].lstrip("/") if names else str(row.get("Id", ""))

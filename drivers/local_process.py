@@ -47,6 +47,7 @@ from drivers.contract import (
     SandboxScope,
     ScopedMethods,
 )
+from drivers.locks import KeyedLocks
 from drivers.naming import sandbox_base_name
 from drivers.runner.env import build_runner_env, inheritable_parent_env
 
@@ -58,6 +59,10 @@ KILL_WAIT_SECONDS: Final = 5.0
 _POLL_SECONDS: Final = 0.05
 _RECORD_DIR: Final = ".local-process"
 LOG_LEFT_ALONE: Final = "Local-process sandbox deprovision left another sandbox's runner alone"
+#: In each runner's environment: the installation that started it, so a runner found by its workspace
+#: alone (never recorded) is adopted or ended only by its own installation (two installations may
+#: share a state dir).
+INSTALLATION_ENV: Final = "STIGMER_SANDBOX_INSTALLATION"
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,9 @@ class ChildRecord:
     command: list[str]
     workspace: str
     started_at: float
+    #: The installation that started it ("" in a record written before installations were recorded:
+    #: no installation's, so left alone).
+    installation: str = ""
 
     @property
     def identity(self) -> ProcessIdentity:
@@ -119,11 +127,13 @@ def identity_of(pid: int) -> ProcessIdentity | None:
     return ProcessIdentity(pid, stat[2], _boot_id())
 
 
-def unrecorded_runner(workspace: Path) -> ProcessIdentity | None:
+def unrecorded_runner(workspace: Path, installation: str) -> ProcessIdentity | None:
     """A live runner of this workspace that no record names: a group leader whose environment has
-    ``WORKSPACE_ROOT_DIR=<workspace>``. Another pod (sharing the state dir) spawned it and stopped
-    before recording it (a SIGSTOP, a crash between the two): it is adopted, not doubled."""
+    ``WORKSPACE_ROOT_DIR=<workspace>`` and this installation's ``STIGMER_SANDBOX_INSTALLATION``.
+    Another pod (sharing the state dir) spawned it and stopped before recording it (a SIGSTOP, a
+    crash between the two): it is adopted, not doubled."""
     needle = f"WORKSPACE_ROOT_DIR={workspace}".encode()
+    mark = f"{INSTALLATION_ENV}={installation}".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -131,7 +141,7 @@ def unrecorded_runner(workspace: Path) -> ProcessIdentity | None:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if needle not in environ:
+        if needle not in environ or mark not in environ:
             continue
         pid = int(entry.name)
         stat = _read_stat(pid)
@@ -182,9 +192,10 @@ def _parse_grace(options: Mapping[str, str]) -> float:
     return value
 
 
-def _owns(record: ChildRecord, scope: SandboxScope, sandbox_id: str) -> bool:
-    """Is the record this sandbox's (its id and scope), not another id's that shares the name?"""
-    return record.sandbox_id == sandbox_id and record.scope == scope
+def _owns(record: ChildRecord, scope: SandboxScope, sandbox_id: str, installation: str) -> bool:
+    """Is the record this sandbox's (its id, scope and installation), not another id's that shares the
+    name, nor another installation's sharing the state dir?"""
+    return record.sandbox_id == sandbox_id and record.scope == scope and record.installation == installation
 
 
 def _workspace_segment(scope: SandboxScope, sandbox_id: str) -> str:
@@ -213,7 +224,9 @@ class LocalProcessProvisioner(ScopedMethods):
         self._state_dir = Path(os.path.expanduser(config.options.get("state_dir", "") or DEFAULT_STATE_DIR))
         self._record_dir = self._state_dir / _RECORD_DIR
         self._grace = _parse_grace(config.options)
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._installation = config.installation
+        #: One lock per sandbox name while an ensure or a deprovision uses it.
+        self._locks = KeyedLocks()
         self._children: dict[str, asyncio.subprocess.Process] = {}
         self._watchers: set[asyncio.Task[None]] = set()
 
@@ -268,6 +281,7 @@ class LocalProcessProvisioner(ScopedMethods):
                 command=[str(c) for c in data["command"]],
                 workspace=str(data["workspace"]),
                 started_at=float(data["started_at"]),
+                installation=str(data.get("installation", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             self._logger.warning(
@@ -305,20 +319,15 @@ class LocalProcessProvisioner(ScopedMethods):
             sandbox_id,
             record.sandbox_id,
             record.scope,
+            record.installation,
+            self._installation,
         )
 
-    def _lock(self, name: str) -> asyncio.Lock:
-        lock = self._locks.get(name)
-        if lock is None:
-            lock = self._locks[name] = asyncio.Lock()
-        return lock
+    def _lock(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._locks.hold(name)
 
-    def _forget_lock(self, name: str) -> None:
-        """After a deprovision: one lock per live sandbox, not per name ever seen (a pod that
-        runs for months sees millions of names)."""
-        lock = self._locks.get(name)
-        if lock is not None and not lock.locked():
-            del self._locks[name]
+    def _ours(self, record: ChildRecord, scope: SandboxScope, sandbox_id: str) -> bool:
+        return _owns(record, scope, sandbox_id, self._installation)
 
     # -- contract ------------------------------------------------------------
 
@@ -330,10 +339,10 @@ class LocalProcessProvisioner(ScopedMethods):
         async with self._lock(name):
             live = self._live_record(name)
             if live is not None:
-                if not _owns(live, scope, sandbox_id):  # another sandbox's runner: never adopted
+                if not self._ours(live, scope, sandbox_id):  # another sandbox's runner: never adopted
                     raise self._collision(live, scope, sandbox_id)
                 return "running"
-            found = await asyncio.to_thread(unrecorded_runner, workspace)
+            found = await asyncio.to_thread(unrecorded_runner, workspace, self._installation)
             if found is not None:
                 self._adopt(scope, sandbox_id, name, workspace, found)
                 return "running"
@@ -342,7 +351,11 @@ class LocalProcessProvisioner(ScopedMethods):
             except OSError as exc:
                 raise SandboxError(f"local-process workspace {str(workspace)!r} unusable: {exc}") from exc
             contract = build_runner_env(self._config, env, workspace_dir=str(workspace))
-            child_env = {**inheritable_parent_env(os.environ, self._config.withheld_env), **contract.merged()}
+            child_env = {
+                **inheritable_parent_env(os.environ, self._config.withheld_env),
+                **contract.merged(),
+                INSTALLATION_ENV: self._installation,
+            }
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *self._command,
@@ -372,7 +385,7 @@ class LocalProcessProvisioner(ScopedMethods):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
-                if not _owns(other, scope, sandbox_id):
+                if not self._ours(other, scope, sandbox_id):
                     raise self._collision(other, scope, sandbox_id)
                 return "running"
             if identity is not None:
@@ -415,6 +428,7 @@ class LocalProcessProvisioner(ScopedMethods):
             command=list(self._command),
             workspace=str(workspace),
             started_at=time.time(),
+            installation=self._installation,
         )
 
     def _adopt(
@@ -454,48 +468,46 @@ class LocalProcessProvisioner(ScopedMethods):
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
         name = sandbox_base_name(scope, sandbox_id)
-        try:
-            async with self._lock(name):
-                record = self._read_record(name)
-                theirs = record is not None and not _owns(record, scope, sandbox_id)
-                if record is not None and theirs:
-                    self._logger.warning(
-                        LOG_LEFT_ALONE,
-                        extra={
-                            "scope": scope,
-                            "id": sandbox_id,
-                            "ownerId": record.sandbox_id,
-                            "pid": record.pid,
-                            "leftAlone": f"runner process group {record.pgid} of {record.scope} "
-                            f"'{record.sandbox_id}' (record {self._record_path(name)})",
-                        },
-                    )
-                    record = None
-                if record is None:
-                    # Spawned by a pod that stopped before recording it: still this sandbox's runner
-                    # (found by its own workspace, which no other id shares).
-                    workspace = self.workspace_dir(scope, sandbox_id)
-                    found = await asyncio.to_thread(unrecorded_runner, workspace)
-                    if found is None:
-                        return
-                    if theirs:  # the name's record is another's: end ours without recording it
-                        record = self._new_record(scope, sandbox_id, name, workspace, found)
-                        await self._terminate(record)
-                        return
-                    record = self._adopt(scope, sandbox_id, name, workspace, found)
-                await self._terminate(record)
-                proc = self._children.pop(name, None)
-                if proc is not None:
-                    # Our own child: make sure it is reaped before we report success.
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_WAIT_SECONDS)
-                self._remove_record(name)
-                self._logger.info(
-                    "Local-process sandbox deprovisioned",
-                    extra={"scope": scope, "id": sandbox_id, "pid": record.pid},
+        async with self._lock(name):
+            record = self._read_record(name)
+            theirs = record is not None and not self._ours(record, scope, sandbox_id)
+            if record is not None and theirs:
+                self._logger.warning(
+                    LOG_LEFT_ALONE,
+                    extra={
+                        "scope": scope,
+                        "id": sandbox_id,
+                        "ownerId": record.sandbox_id,
+                        "ownerInstallation": record.installation,
+                        "pid": record.pid,
+                        "leftAlone": f"runner process group {record.pgid} of {record.scope} "
+                        f"'{record.sandbox_id}' (record {self._record_path(name)})",
+                    },
                 )
-        finally:
-            self._forget_lock(name)
+                record = None
+            if record is None:
+                # Spawned by a pod that stopped before recording it: still this sandbox's runner
+                # (found by its own workspace, which no other id shares).
+                workspace = self.workspace_dir(scope, sandbox_id)
+                found = await asyncio.to_thread(unrecorded_runner, workspace, self._installation)
+                if found is None:
+                    return
+                if theirs:  # the name's record is another's: end ours without recording it
+                    record = self._new_record(scope, sandbox_id, name, workspace, found)
+                    await self._terminate(record)
+                    return
+                record = self._adopt(scope, sandbox_id, name, workspace, found)
+            await self._terminate(record)
+            proc = self._children.pop(name, None)
+            if proc is not None:
+                # Our own child: make sure it is reaped before we report success.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), KILL_WAIT_SECONDS)
+            self._remove_record(name)
+            self._logger.info(
+                "Local-process sandbox deprovisioned",
+                extra={"scope": scope, "id": sandbox_id, "pid": record.pid},
+            )
 
     @staticmethod
     def _group_is_ours_and_alive(record: ChildRecord) -> bool:
@@ -552,7 +564,7 @@ class LocalProcessProvisioner(ScopedMethods):
     async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:
         name = sandbox_base_name(scope, sandbox_id)
         live = self._live_record(name)
-        return "running" if live is not None and _owns(live, scope, sandbox_id) else "absent"
+        return "running" if live is not None and self._ours(live, scope, sandbox_id) else "absent"
 
     async def list_managed(self) -> list[ManagedSandbox]:
         found: list[ManagedSandbox] = []
@@ -562,6 +574,8 @@ class LocalProcessProvisioner(ScopedMethods):
             record = self._load_record(path)
             if record is None:
                 continue
+            if record.installation != self._installation:
+                continue  # another installation's runner (or an unrecorded installation's): not ours to list
             if is_same_live_process(record.identity):
                 found.append(
                     ManagedSandbox(

@@ -50,7 +50,10 @@ def build_provisioner(settings: Settings, logger: logging.Logger) -> SandboxProv
         and settings.workflow.workflow_activity_routing != WORKFLOW_ROUTING_EXECUTION
     ):
         raise ConfigError(routing_coherence_message(settings.provisioner_type))
-    logger.info(LOG_PROVISIONER_COMPOSED, extra={"type": settings.provisioner_type})
+    logger.info(
+        LOG_PROVISIONER_COMPOSED,
+        extra={"type": settings.provisioner_type, "installation": settings.driver.installation},
+    )
     return provisioner
 
 

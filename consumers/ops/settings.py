@@ -31,6 +31,7 @@ from consumers.runtime.kafka.security import KafkaSecurity, KafkaSecurityError
 from consumers.runtime.kafka.sink import Guarantee
 from consumers.runtime.kafka.topology import Topics
 from drivers.contract import SANDBOX_DRIVER_OWNED_RUNNER_ENV, DriverConfig
+from drivers.naming import valid_installation
 from drivers.runner.env import is_temporal_connection_name
 
 
@@ -97,6 +98,14 @@ SETTINGS: tuple[Setting, ...] = (
         "SANDBOX_LANES_GROUP_ID",
         "sandbox-lanes",
         "consumer group id (also the transactional id prefix: `<group>-p<N>`)",
+    ),
+    Setting(
+        "SANDBOX_LANES_INSTALLATION",
+        "",
+        "this installation's name, label `stigmer.ai/installation` on every object its driver makes; "
+        "the pod acts only on objects carrying it, so two installations (production, staging) can share "
+        "a namespace or an engine (see [drivers.md](drivers.md#installations)); 1-63 of a-z A-Z 0-9 - _ .",
+        doc_default="`SANDBOX_LANES_GROUP_ID`",
     ),
     Setting(
         "SANDBOX_LANES_POD_ID",
@@ -451,6 +460,18 @@ def _topics(env: Mapping[str, str]) -> Topics:
     return Topics(**{names[var]: topic for var, topic in values.items()})
 
 
+def _installation(env: Mapping[str, str]) -> str:
+    """``SANDBOX_LANES_INSTALLATION``, else the consumer group: a label value either way."""
+    name = "SANDBOX_LANES_INSTALLATION"
+    if not _get(env, name):
+        name = "SANDBOX_LANES_GROUP_ID"
+    try:
+        return valid_installation(_get(env, name))
+    except ValueError as exc:
+        hint = "" if name == "SANDBOX_LANES_INSTALLATION" else " (set SANDBOX_LANES_INSTALLATION)"
+        raise ConfigError(f"{name}: {exc}{hint}") from None
+
+
 def _provisioner_type(env: Mapping[str, str]) -> str:
     from drivers.registry import known_types
 
@@ -765,6 +786,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         options=_options(env),
         temporal_connection_env=_temporal_connection_env(env),
         withheld_env=RUNNER_WITHHELD_ENV,
+        installation=_installation(env),
     )
     return Settings(
         bootstrap=_bootstrap(env),

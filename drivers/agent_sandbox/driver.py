@@ -80,30 +80,20 @@ from drivers.contract import (
     ScopedMethods,
 )
 from drivers.kubernetes.driver import (
-    APPLY_CONTENT_TYPE,
     FIELD_MANAGER,
     LOG_LEFT_ALONE,
+    WRITE_ATTEMPTS,
     Found,
     KubernetesProvisioner,
     boot_checks,
     load_client_configuration,
     max_pool_size,
 )
-from drivers.kubernetes.manifests import MANAGED_SELECTOR, secret_name
-from drivers.naming import LABEL_SANDBOX_ID, LABEL_SCOPE, sandbox_base_name
-
-#: The JSON Pointer of the owner label (``/`` escaped as ``~1``).
-SANDBOX_ID_LABEL_PATH: Final = "/metadata/labels/" + LABEL_SANDBOX_ID.replace("~", "~0").replace("/", "~1")
-
-
-def owner_test_op(sandbox_id: str) -> dict[str, Any]:
-    """A JSON Patch ``test`` op: the patch applies only to an object labelled with this sandbox's id."""
-    return {"op": "test", "path": SANDBOX_ID_LABEL_PATH, "value": sandbox_id}
-
+from drivers.kubernetes.manifests import secret_name
+from drivers.locks import KeyedLocks
+from drivers.naming import LABEL_INSTALLATION, LABEL_SANDBOX_ID, LABEL_SCOPE, sandbox_base_name
 
 DRIVER_NAME: Final = "agent-sandbox"
-JSON_PATCH_CONTENT_TYPE: Final = "application/json-patch+json"
-SESSION_SELECTOR: Final = f"{MANAGED_SELECTOR},{LABEL_SCOPE}=session"
 DELETE_POLL_SECONDS: Final = 2.0
 DELETE_POLLS: Final = 150
 NOT_INSTALLED: Final = (
@@ -161,8 +151,11 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         self._custom = k8s.CustomObjectsApi(api_client)
         self.idle = idle
         self._clock = clock
-        self._locks: dict[str, asyncio.Lock] = {}
-        #: When this process last ensured each Sandbox: the idle clock's floor (upstream's record).
+        #: One lock per Sandbox name while an ensure, a deprovision or the sweep's suspend uses it.
+        self._locks = KeyedLocks()
+        #: When this process last ensured each session Sandbox: the idle clock's floor (upstream's
+        #: record). Only the sweep reads it (sessions only), and it drops entries a window old, which
+        #: can no longer keep a Sandbox from being suspended.
         self.last_ensured: dict[str, float] = {}
         #: The warm-pool path (an option upstream does not have); None when ``warm_pool_size`` is 0.
         self.warm = (
@@ -199,7 +192,9 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         """A Sandbox or claim read from the API, for the ownership check."""
         meta = obj.get("metadata") or {}
         where = f"{self._ns}/{meta.get('name', '')}"
-        return Found(kind, where, meta.get("labels"), str(meta.get("uid", "")))
+        return Found(
+            kind, where, meta.get("labels"), str(meta.get("uid", "")), str(meta.get("resourceVersion", ""))
+        )
 
     def bind_metrics(self, registry: Any) -> None:
         """The warm-pool metrics on the pod's registry (``/metrics``)."""
@@ -210,8 +205,12 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
     def driver_name(self) -> str:
         return DRIVER_NAME
 
-    def _lock(self, name: str) -> asyncio.Lock:
-        return self._locks.setdefault(name, asyncio.Lock())
+    def _lock(self, name: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._locks.hold(name)
+
+    def _ensured(self, scope: SandboxScope, base: str) -> None:
+        if scope == "session":  # the idle clock's floor: only sessions are swept
+            self.last_ensured[base] = self._clock()
 
     # -- gateway
     async def read_sandbox(self, name: str) -> dict[str, Any] | None:
@@ -254,39 +253,19 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
             raise self.failure(f"create Sandbox {self._ns}/{name}", exc, env) from None
         return created if isinstance(created, dict) else None
 
-    async def _patch(self, name: str, patch: list[dict[str, Any]], env: SandboxEnvironment | None) -> bool:
-        """JSON Patch ``add`` ops; False when the Sandbox vanished (404)."""
-        done = await self._call(
-            f"patch Sandbox {self._ns}/{name}",
+    async def _patch(self, found: Found, patch: list[dict[str, Any]], env: SandboxEnvironment | None) -> bool:
+        """A JSON Patch of the Sandbox ``found`` carrying its own tests; False when it vanished or
+        changed since it was read (the caller judges it again)."""
+        return await self.json_patch(
+            f"patch Sandbox {found.where}",
             self._custom.patch_namespaced_custom_object,
             GROUP,
             VERSION,
             self._ns,
             PLURAL,
-            name,
+            found.name,
             patch,
             env=env,
-            field_manager=FIELD_MANAGER,
-            _content_type=JSON_PATCH_CONTENT_TYPE,
-            tolerate=frozenset({404}),
-        )
-        return done is not None
-
-    async def _write_secret(
-        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment, owner_uid: str
-    ) -> None:
-        manifest = owned_secret_manifest(self._config, scope, sandbox_id, env, owner_uid)
-        name = manifest["metadata"]["name"]
-        await self._call(
-            f"apply Secret {self._ns}/{name}",
-            self._core.patch_namespaced_secret,
-            name,
-            self._ns,
-            manifest,
-            env=env,
-            field_manager=FIELD_MANAGER,
-            force=True,
-            _content_type=APPLY_CONTENT_TYPE,
         )
 
     # -- contract
@@ -304,42 +283,13 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
     ) -> SandboxProbeState:
         base = sandbox_base_name(scope, sandbox_id)
         async with self._lock(base):
-            obj = await self._wait_out_deletion(base)
-            if obj is not None:  # another sandbox's is never written into nor woken
-                self.check_owner(self.found(obj, "Sandbox"), base, scope, sandbox_id)
-            arm = "created"
-            if obj is None and warm and self.warm is not None and scope in WARM_SCOPES:
-                claimed = await self._ensure_claimed(scope, sandbox_id, env)
-                if claimed is not None:
-                    self.last_ensured[base] = self._clock()
-                    self._logger.info(
-                        LOG_ENSURED, extra={"scope": scope, "id": sandbox_id, "sandbox": base, "arm": claimed}
-                    )
-                    return "running"
-            if obj is None:
-                obj = await self._create(sandbox_manifest(self._config, scope, sandbox_id, env), env)
-                if obj is None:  # another server's ensure created it first: take its arm
-                    obj = await self._wait_out_deletion(base)
-                    if obj is None:  # ... or it was already on its way out: create ours
-                        obj = await self._create(sandbox_manifest(self._config, scope, sandbox_id, env), env)
-                    if obj is None:
-                        where = f"{self._ns}/{base}"
-                        raise SandboxError(
-                            f"{DRIVER_NAME} Sandbox {where} was reported to exist but cannot be read"
-                        )
-                    self.check_owner(self.found(obj, "Sandbox"), base, scope, sandbox_id)
-                    arm = "running" if _view(obj).running else "suspended"
+            for _ in range(WRITE_ATTEMPTS):
+                arm = await self._ensure_once(scope, sandbox_id, env, warm=warm)
+                if arm is not None:
+                    break
             else:
-                arm = "running" if _view(obj).running else "suspended"
-            uid = str((obj.get("metadata") or {}).get("uid", ""))
-            # A token goes only into a Secret that is absent or this sandbox's.
-            self.check_owner(await self.find("Secret", secret_name(base)), base, scope, sandbox_id)
-            await self._write_secret(scope, sandbox_id, env, uid)
-            if arm != "running" and not await self._patch(
-                base, [owner_test_op(sandbox_id), *wake_patch(self._config, scope, sandbox_id, env)], env
-            ):
-                raise SandboxError(f"agent-sandbox Sandbox {self._ns}/{base} vanished while waking it")
-            self.last_ensured[base] = self._clock()
+                raise SandboxError(f"{DRIVER_NAME} Sandbox {self._ns}/{base} kept changing under the ensure")
+            self._ensured(scope, base)
         self._logger.info(
             LOG_ENSURED,
             extra={
@@ -351,6 +301,45 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
             },
         )
         return "running"
+
+    async def _ensure_once(
+        self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment, *, warm: bool
+    ) -> str | None:
+        """One judgement and its writes, under the lock; the arm, or ``None`` when the Sandbox changed
+        between the read and the write (the caller judges it again)."""
+        base = sandbox_base_name(scope, sandbox_id)
+        obj = await self._wait_out_deletion(base)
+        if obj is not None:  # another sandbox's (or installation's) is never written into nor woken
+            self.check_owner(self.found(obj, "Sandbox"), base, scope, sandbox_id)
+        arm = "created"
+        if obj is None and warm and self.warm is not None and scope in WARM_SCOPES:
+            claimed = await self._ensure_claimed(scope, sandbox_id, env)
+            if claimed is not None:
+                return claimed
+        if obj is None:
+            obj = await self._create(sandbox_manifest(self._config, scope, sandbox_id, env), env)
+            if obj is None:  # another server's ensure created it first: take its arm
+                obj = await self._wait_out_deletion(base)
+                if obj is None:  # ... or it was already on its way out: create ours
+                    obj = await self._create(sandbox_manifest(self._config, scope, sandbox_id, env), env)
+                if obj is None:
+                    return None
+                self.check_owner(self.found(obj, "Sandbox"), base, scope, sandbox_id)
+                arm = "running" if _view(obj).running else "suspended"
+        else:
+            arm = "running" if _view(obj).running else "suspended"
+        sandbox = self.found(obj, "Sandbox")
+        # A token goes only into a Secret that is absent or this sandbox's (conditional writes).
+        await self.write_secret(
+            owned_secret_manifest(self._config, scope, sandbox_id, env, sandbox.uid), scope, sandbox_id, env
+        )
+        if arm != "running" and not await self._patch(
+            sandbox,
+            [*self.guard(sandbox, sandbox_id), *wake_patch(self._config, scope, sandbox_id, env)],
+            env,
+        ):
+            return None  # replaced, relabelled or gone since it was read: judged again
+        return arm
 
     async def _ensure_claimed(
         self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
@@ -364,9 +353,12 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
             return await self.warm.claim_async(scope, sandbox_id, env)
         base = sandbox_base_name(scope, sandbox_id)
         claim = await self.read_claim(base)
+        uid = ""
         if claim is not None and not (claim.get("metadata") or {}).get("deletionTimestamp"):
-            self.check_owner(self.found(claim, "SandboxClaim"), base, scope, sandbox_id)
-        claimed = await self.warm.claimed_sandbox(base)
+            found = self.found(claim, "SandboxClaim")
+            self.check_owner(found, base, scope, sandbox_id)
+            uid = found.uid
+        claimed = await self.warm.claimed_sandbox(base) if uid else None
         if claimed is not None:
             try:
                 await self.warm.reassign(str(claimed["metadata"]["name"]), env)
@@ -376,7 +368,7 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
                     "agent-sandbox claimed sandbox would not take its secrets; replacing it",
                     extra={"sandbox": base, "error": str(exc)},
                 )
-                await self.warm._miss(base, "reassign failed")
+                await self.warm._miss(base, "reassign failed", scope, sandbox_id, uid)
         launch = await self.warm.try_adopt(scope, sandbox_id, env)
         if launch is None:
             return None
@@ -399,34 +391,32 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
         """Delete this sandbox's Sandbox (and claim); another sandbox's is left alone."""
         base = sandbox_base_name(scope, sandbox_id)
-        sandbox = await self.read_sandbox(base)
-        found = [] if sandbox is None else [self.found(sandbox, "Sandbox")]
-        if scope in WARM_SCOPES:  # a claim stands for it (also one left from a warm-enabled run)
-            claim = await self.read_claim(base)
-            if claim is not None:
-                found.append(self.found(claim, "SandboxClaim"))
-        left = [f for f in found if not f.owned_by(scope, sandbox_id)]
-        if self.warm is not None and not any(f.kind == "SandboxClaim" for f in left):
-            await self.warm.cancel_delivery(base)  # nothing is handed to a sandbox on its way out
-        for f in found:
-            if f in left:
-                self.left_alone(f, scope, sandbox_id)
-            elif f.kind == "Sandbox":
-                await self._delete_custom(GROUP, VERSION, PLURAL, f)
-            else:
-                await self._delete_custom(EXT_GROUP, EXT_VERSION, CLAIMS, f)
-        if not left:
-            self.last_ensured.pop(base, None)
-            lock = self._locks.get(base)
-            if lock is not None and not lock.locked():  # one lock per live sandbox, not per name ever seen
-                del self._locks[base]
+        async with self._lock(base):  # never beside this process's ensure or suspend of the name
+            sandbox = await self.read_sandbox(base)
+            found = [] if sandbox is None else [self.found(sandbox, "Sandbox")]
+            if scope in WARM_SCOPES:  # a claim stands for it (also one left from a warm-enabled run)
+                claim = await self.read_claim(base)
+                if claim is not None:
+                    found.append(self.found(claim, "SandboxClaim"))
+            left = [f for f in found if not self.owns(f, scope, sandbox_id)]
+            if self.warm is not None and not any(f.kind == "SandboxClaim" for f in left):
+                await self.warm.cancel_delivery(base)  # nothing is handed to a sandbox on its way out
+            for f in found:
+                if f in left:
+                    self.left_alone(f, scope, sandbox_id)
+                elif f.kind == "Sandbox":
+                    await self._delete_custom(GROUP, VERSION, PLURAL, f)
+                else:
+                    await self._delete_custom(EXT_GROUP, EXT_VERSION, CLAIMS, f)
+            if not left:
+                self.last_ensured.pop(base, None)
         self._logger.info(
             "agent-sandbox sandbox deprovisioned",
             extra={
                 "scope": scope,
                 "id": sandbox_id,
                 "sandbox": base,
-                "leftAlone": [f.describe() for f in left],
+                "leftAlone": [f.describe(self._installation) for f in left],
             },
         )
 
@@ -446,7 +436,7 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
 
     async def _delete_custom(self, group: str, version: str, plural: str, found: Found) -> None:
         """Delete exactly the object checked (uid precondition: a 409 means it was replaced meanwhile)."""
-        name = found.where.split("/", 1)[1]
+        name = found.name
         await self._call(
             f"delete {found.kind} {found.where}",
             self._custom.delete_namespaced_custom_object,
@@ -463,11 +453,11 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
     async def probe(self, scope: SandboxScope, sandbox_id: str) -> SandboxProbeState:
         base = sandbox_base_name(scope, sandbox_id)
         obj = await self.read_sandbox(base)
-        if obj is not None and not self.found(obj, "Sandbox").owned_by(scope, sandbox_id):
+        if obj is not None and not self.owns(self.found(obj, "Sandbox"), scope, sandbox_id):
             return "absent"  # another sandbox's: nothing of this one's is there
         if obj is None and self.warm is not None and scope in WARM_SCOPES:
             claim = await self.read_claim(base)
-            if claim is not None and not self.found(claim, "SandboxClaim").owned_by(scope, sandbox_id):
+            if claim is None or not self.owns(self.found(claim, "SandboxClaim"), scope, sandbox_id):
                 return "absent"
             obj = await self.warm.claimed_sandbox(base)
         if obj is None or _view(obj).deleting:
@@ -501,11 +491,13 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
         claims: list[dict[str, Any]] = []
         if self.warm is not None:
             claims = await self.warm.list_ours(CLAIMS)
-        for obj in [*await self._list(MANAGED_SELECTOR), *claims]:
+        for obj in [*await self._list(self.selector), *claims]:
             labels: Mapping[str, str] = (obj.get("metadata") or {}).get("labels") or {}
             scope, sandbox_id = labels.get(LABEL_SCOPE), labels.get(LABEL_SANDBOX_ID)
             view = _view(obj)
             if scope not in SCOPES or not sandbox_id or view.deleting:
+                continue
+            if labels.get(LABEL_INSTALLATION) != self._installation:
                 continue
             state: SandboxProbeState = "running" if view.running else "stopped"
             found.append(ManagedSandbox(scope, sandbox_id, view.name, state, created_at=view.created_at))
@@ -515,7 +507,11 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
     async def sweep_once(self, sessions: SessionActivityReader, stopping: asyncio.Event | None = None) -> int:
         """One pass; returns how many Sandboxes it suspended."""
         suspended = 0
-        for obj in await self._list(SESSION_SELECTOR):
+        now = self._clock()
+        for base, at in list(self.last_ensured.items()):
+            if now - at >= self.idle.suspend_after_s:  # a window old: it can no longer keep one running
+                del self.last_ensured[base]
+        for obj in await self._list(f"{self.selector},{LABEL_SCOPE}=session"):
             if stopping is not None and stopping.is_set():
                 break
             view = _view(obj)
@@ -530,8 +526,15 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
 
     async def _suspend_if_idle(self, obj: Mapping[str, Any], sessions: SessionActivityReader) -> bool:
         view = _view(obj)
-        session_id = ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_SANDBOX_ID)
-        if session_id and sandbox_base_name("session", session_id) != view.name:
+        listed = self.found(obj, "Sandbox")
+        session_id = listed.labels.get(LABEL_SANDBOX_ID)
+        if not session_id or not self.owns(listed, "session", session_id):
+            self._logger.warning(
+                "agent-sandbox idle sweep: not a session Sandbox of this installation; left alone",
+                extra={"sandbox": view.name, "leftAlone": listed.describe(self._installation)},
+            )
+            return False
+        if sandbox_base_name("session", session_id) != view.name:
             self._logger.warning(
                 "agent-sandbox idle sweep: the session label does not match the name; left alone",
                 extra={"sandbox": view.name, "sessionId": session_id},
@@ -539,24 +542,27 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
             return False
         async with self._lock(view.name):
             # Judged under the lock, right before the patch: a rebalance may have moved the session.
-            if not session_id:
-                activity: SessionActivity | None = SessionActivity(
-                    busy=False, last_active_at=None, executions=0
-                )
-            else:
-                activity = sessions.activity(session_id)
-                if activity is None:
-                    return False  # another pod owns the session's partition: it judges
-            assert activity is not None
+            activity = sessions.activity(session_id)
+            if activity is None:
+                return False  # another pod owns the session's partition: it judges
             fresh = await self.read_sandbox(view.name)  # a full re-read before suspending
             if fresh is None:
                 return False
+            now = self.found(fresh, "Sandbox")
+            if now.uid != listed.uid or not self.owns(now, "session", session_id):
+                return False  # replaced or relabelled since the listing: not the Sandbox judged
             now_view = _view(fresh)
             if not should_suspend(
                 self._clock(), self.idle.suspend_after_s, now_view, activity, self.last_ensured.get(view.name)
             ):
                 return False
-            if not await self._patch(view.name, SUSPEND_PATCH, None):
+            # The patch tests what was judged: this uid, still this session's and installation's, at the
+            # resourceVersion read (an ensure of another pod that woke it in between: not suspended).
+            guard = [
+                *self.guard(now, session_id),
+                {"op": "test", "path": "/metadata/resourceVersion", "value": now.resource_version},
+            ]
+            if not await self._patch(now, [*guard, *SUSPEND_PATCH], None):
                 return False
         if activity.executions == 0:
             self._logger.error(

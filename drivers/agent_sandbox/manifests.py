@@ -94,7 +94,7 @@ def pod_template(
     }
     if scope not in CLAIM_SCOPES:  # the session's volume comes from its volumeClaimTemplate
         spec["volumes"] = [{"name": WORKSPACE_VOLUME, "emptyDir": {}}]
-    return {"metadata": {"labels": sandbox_labels(scope, sandbox_id)}, "spec": spec}
+    return {"metadata": {"labels": sandbox_labels(scope, sandbox_id, config.installation)}, "spec": spec}
 
 
 def sandbox_manifest(
@@ -119,7 +119,7 @@ def sandbox_manifest(
         "metadata": {
             "name": sandbox_base_name(scope, sandbox_id),
             "namespace": config.kubernetes_namespace,
-            "labels": sandbox_labels(scope, sandbox_id),
+            "labels": sandbox_labels(scope, sandbox_id, config.installation),
         },
         "spec": spec,
     }

@@ -40,7 +40,7 @@ from drivers.kubernetes.manifests import (
     runner_env,
     sandbox_secret,
 )
-from drivers.naming import LABEL_MANAGED_BY, MANAGED_BY_VALUE, sandbox_base_name, sandbox_labels
+from drivers.naming import installation_labels, sandbox_base_name, sandbox_labels
 from drivers.runner.launch import runner_command
 
 EXT_GROUP: Final = "extensions.agents.x-k8s.io"
@@ -91,7 +91,7 @@ def warm_pod_template(config: DriverConfig) -> dict[str, Any]:
         ],
     )
     return {
-        "metadata": {"labels": {LABEL_MANAGED_BY: MANAGED_BY_VALUE}},
+        "metadata": {"labels": installation_labels(config.installation)},
         "spec": {
             "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
             "automountServiceAccountToken": False,
@@ -115,7 +115,9 @@ POOL_NAME_PREFIX: Final = "stigmer-runner-warm-"
 
 
 def pool_name(config: DriverConfig) -> str:
-    """One template and pool per runner template: a config change names a new pair."""
+    """One template and pool per runner template and installation: a config change names a new pair,
+    and two installations in one namespace never share (nor delete) each other's (the pod template
+    carries the installation's label, so it is part of the hash)."""
     digest = hashlib.sha256(json.dumps(warm_pod_template(config), sort_keys=True).encode()).hexdigest()
     return f"{POOL_NAME_PREFIX}{digest[:10]}"
 
@@ -127,7 +129,7 @@ def template_manifest(config: DriverConfig) -> dict[str, Any]:
         "metadata": {
             "name": pool_name(config),
             "namespace": config.kubernetes_namespace,
-            "labels": {LABEL_MANAGED_BY: MANAGED_BY_VALUE},
+            "labels": installation_labels(config.installation),
         },
         # No NetworkPolicy of the controller's making: the operator owns network policy.
         "spec": {"podTemplate": warm_pod_template(config), "networkPolicyManagement": "Unmanaged"},
@@ -142,7 +144,7 @@ def pool_manifest(config: DriverConfig, replicas: int) -> dict[str, Any]:
         "metadata": {
             "name": name,
             "namespace": config.kubernetes_namespace,
-            "labels": {LABEL_MANAGED_BY: MANAGED_BY_VALUE},
+            "labels": installation_labels(config.installation),
         },
         "spec": {"replicas": replicas, "sandboxTemplateRef": {"name": name}},
     }
@@ -158,7 +160,7 @@ def claim_manifest(
         "metadata": {
             "name": sandbox_base_name(scope, sandbox_id),
             "namespace": config.kubernetes_namespace,
-            "labels": sandbox_labels(scope, sandbox_id),
+            "labels": sandbox_labels(scope, sandbox_id, config.installation),
         },
         "spec": {
             "warmPoolRef": {"name": pool_name(config)},

@@ -48,6 +48,7 @@ from drivers.agent_sandbox.warm import (
     POOL_NAME_PREFIX,
     POOLS,
     TEMPLATES,
+    WARM_SCOPES,
     assigned_patch,
     assignment_command,
     assignment_file,
@@ -58,9 +59,9 @@ from drivers.agent_sandbox.warm import (
     template_manifest,
 )
 from drivers.contract import DriverConfig, SandboxCollision, SandboxEnvironment, SandboxError, SandboxScope
-from drivers.kubernetes.driver import APPLY_CONTENT_TYPE, FIELD_MANAGER, Found
-from drivers.kubernetes.manifests import CONTAINER_NAME, MANAGED_SELECTOR, secret_name
-from drivers.naming import sandbox_base_name
+from drivers.kubernetes.driver import APPLY_CONTENT_TYPE, FIELD_MANAGER, WRITE_ATTEMPTS, Found
+from drivers.kubernetes.manifests import CONTAINER_NAME, secret_name
+from drivers.naming import LABEL_SANDBOX_ID, LABEL_SCOPE, is_installations, is_owned_by, sandbox_base_name
 
 
 class PoolDriver(Protocol):
@@ -76,9 +77,17 @@ class PoolDriver(Protocol):
     def core(self) -> Any: ...  # the CoreV1Api
     @property
     def api_client(self) -> Any: ...  # for exec's own client
+    @property
+    def installation(self) -> str: ...
+    @property
+    def selector(self) -> str: ...  # this installation's objects
+    def owns(self, found: Found, scope: SandboxScope, sandbox_id: str) -> bool: ...
     async def call(self, action: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
     def found(self, obj: Mapping[str, Any], kind: str) -> Found: ...
     async def find(self, kind: str, name: str) -> Found | None: ...
+    async def write_secret(
+        self, manifest: dict[str, Any], scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> tuple[Any, bool]: ...
     def check_owner(self, found: Found | None, name: str, scope: SandboxScope, sandbox_id: str) -> None: ...
     async def read_sandbox(self, name: str) -> dict[str, Any] | None: ...
     async def ensure_cold(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None: ...
@@ -98,6 +107,14 @@ def _ready(obj: dict[str, Any]) -> bool:
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in (obj.get("status") or {}).get("conditions") or []
     )
+
+
+def _kept_for(secret: Any, scope: SandboxScope, sandbox_id: str, installation: str, claim_uid: str) -> bool:
+    """Is ``secret`` the kept assignment of the claim ``claim_uid`` (its labels and its owner)?"""
+    meta = getattr(secret, "metadata", None)
+    if meta is None or not is_owned_by(meta.labels, scope, sandbox_id, installation):
+        return False
+    return any(getattr(ref, "uid", None) == claim_uid for ref in meta.owner_references or [])
 
 
 class WarmPoolMetrics:
@@ -144,27 +161,67 @@ class WarmPool:
         async with self._apply_lock:
             if self._applied:
                 return
-            d = self._driver
-            cfg = d.config
+            cfg = self._driver.config
             for plural, manifest in (
                 (TEMPLATES, template_manifest(cfg)),
                 (POOLS, pool_manifest(cfg, self.size)),
             ):
-                await d.call(
-                    f"apply {manifest['kind']} {cfg.kubernetes_namespace}/{self.name}",
-                    d.custom.patch_namespaced_custom_object,
-                    EXT_GROUP,
-                    EXT_VERSION,
-                    cfg.kubernetes_namespace,
-                    plural,
-                    self.name,
-                    manifest,
-                    field_manager=FIELD_MANAGER,
-                    force=True,
-                    _content_type=APPLY_CONTENT_TYPE,
-                )
+                await self._write_pool_object(plural, manifest)
             await self._delete_stale_pairs()
             self._applied = True
+
+    async def _write_pool_object(self, plural: str, manifest: dict[str, Any]) -> None:
+        """Create the template or pool, or apply it over this installation's own (at the
+        resourceVersion listed); an object of the name that is not this installation's is refused."""
+        d = self._driver
+        ns = d.config.kubernetes_namespace
+        where = f"{manifest['kind']} {ns}/{self.name}"
+        for _ in range(WRITE_ATTEMPTS):
+            ours = {
+                str((item.get("metadata") or {}).get("name", "")): item
+                for item in await self.list_ours(plural)
+            }
+            mine = ours.get(self.name)
+            if mine is None:
+                created = await d.call(
+                    f"create {where}",
+                    d.custom.create_namespaced_custom_object,
+                    EXT_GROUP,
+                    EXT_VERSION,
+                    ns,
+                    plural,
+                    manifest,
+                    field_manager=FIELD_MANAGER,
+                    tolerate=frozenset({409}),
+                )
+                if created is not None:
+                    return
+                if self.name not in {
+                    str((i.get("metadata") or {}).get("name", "")) for i in await self.list_ours(plural)
+                }:
+                    raise SandboxError(
+                        f"agent-sandbox {where} exists and is not this installation's"
+                        f" ({d.installation}): left untouched, the warm pool is not used"
+                    )
+                continue
+            version = str((mine.get("metadata") or {}).get("resourceVersion", ""))
+            applied = await d.call(
+                f"apply {where}",
+                d.custom.patch_namespaced_custom_object,
+                EXT_GROUP,
+                EXT_VERSION,
+                ns,
+                plural,
+                self.name,
+                {**manifest, "metadata": {**manifest["metadata"], "resourceVersion": version}},
+                field_manager=FIELD_MANAGER,
+                force=True,
+                _content_type=APPLY_CONTENT_TYPE,
+                tolerate=frozenset({404, 409}),
+            )
+            if applied is not None:
+                return
+        raise SandboxError(f"agent-sandbox {where} kept changing while the pool was prepared")
 
     async def _delete_stale_pairs(self) -> None:
         """Delete the pools and templates of an earlier runner template (a config change names a new
@@ -173,9 +230,10 @@ class WarmPool:
         d = self._driver
         ns = d.config.kubernetes_namespace
         for plural in (POOLS, TEMPLATES):
-            for item in await self.list_ours(plural):
-                name = str((item.get("metadata") or {}).get("name", ""))
-                if name.startswith(POOL_NAME_PREFIX) and name != self.name:
+            for item in await self.list_ours(plural):  # this installation's only: never another's pool
+                meta = item.get("metadata") or {}
+                name, uid = str(meta.get("name", "")), str(meta.get("uid", ""))
+                if name.startswith(POOL_NAME_PREFIX) and name != self.name and uid:
                     await d.call(
                         f"delete {plural} {ns}/{name}",
                         d.custom.delete_namespaced_custom_object,
@@ -184,14 +242,16 @@ class WarmPool:
                         ns,
                         plural,
                         name,
-                        tolerate=frozenset({404}),
+                        body={"preconditions": {"uid": uid}},
+                        tolerate=frozenset({404, 409}),
                     )
                     d.logger.info(
                         "agent-sandbox stale warm pool object deleted", extra={"kind": plural, "name": name}
                     )
 
     async def list_ours(self, plural: str, tolerate: frozenset[int] = frozenset()) -> list[dict[str, Any]]:
-        """The extensions' objects of kind ``plural`` in the namespace that carry our labels."""
+        """The extensions' objects of kind ``plural`` in the namespace that carry this installation's
+        labels (listed by its selector, and each one's labels looked at again)."""
         d = self._driver
         listed = await d.call(
             f"list {plural} in {d.config.kubernetes_namespace}",
@@ -200,10 +260,11 @@ class WarmPool:
             EXT_VERSION,
             d.config.kubernetes_namespace,
             plural,
-            label_selector=MANAGED_SELECTOR,
+            label_selector=d.selector,
             tolerate=tolerate,
         )
-        return list((listed or {}).get("items") or []) if isinstance(listed, dict) else []
+        items = list((listed or {}).get("items") or []) if isinstance(listed, dict) else []
+        return [i for i in items if is_installations((i.get("metadata") or {}).get("labels"), d.installation)]
 
     async def ready_replicas(self) -> int:
         d = self._driver
@@ -237,25 +298,30 @@ class WarmPool:
         )
         return obj if isinstance(obj, dict) else None
 
-    async def delete_claim(self, name: str) -> None:
+    async def delete_claim(self, found: Found) -> None:
+        """Delete exactly the claim checked (uid precondition: a replacement is never deleted)."""
         d = self._driver
         await d.call(
-            f"delete SandboxClaim {d.config.kubernetes_namespace}/{name}",
+            f"delete SandboxClaim {found.where}",
             d.custom.delete_namespaced_custom_object,
             EXT_GROUP,
             EXT_VERSION,
             d.config.kubernetes_namespace,
             CLAIMS,
-            name,
+            found.name,
             propagation_policy="Foreground",
-            tolerate=frozenset({404}),
+            body={"preconditions": {"uid": found.uid}},
+            tolerate=frozenset({404, 409}),
         )
 
-    async def _check_claim_owner(self, base: str, scope: SandboxScope, sandbox_id: str) -> None:
-        """A claim found under the name (its create answered 409) must be this sandbox's."""
+    async def _check_claim_owner(self, base: str, scope: SandboxScope, sandbox_id: str) -> str:
+        """A claim found under the name (its create answered 409) must be this sandbox's: its uid."""
         claim = await self.read_claim(base)
-        if claim is not None:
-            self._driver.check_owner(self._driver.found(claim, "SandboxClaim"), base, scope, sandbox_id)
+        if claim is None:
+            return ""
+        found = self._driver.found(claim, "SandboxClaim")
+        self._driver.check_owner(found, base, scope, sandbox_id)
+        return found.uid
 
     async def claimed_sandbox(self, name: str) -> dict[str, Any] | None:
         """The Sandbox a live claim ``name`` adopted or made, if any."""
@@ -271,13 +337,17 @@ class WarmPool:
         d = self._driver
         base = sandbox_base_name(scope, sandbox_id)
         started = time.monotonic()
+        uid = ""  # the claim this adoption made or found (and checked): the only one a miss deletes
         try:
             # (no extensions API or no RBAC for it: a miss, the cold path still works)
-            if await self._create_claim(scope, sandbox_id, env) is None:
-                await self._check_claim_owner(base, scope, sandbox_id)
-            sandbox = await self._wait_ready(base, started)
+            created = await self._create_claim(scope, sandbox_id, env)
+            if created is None:
+                uid = await self._check_claim_owner(base, scope, sandbox_id)
+            else:
+                uid = str((created.get("metadata") or {}).get("uid", ""))
+            sandbox = await self._wait_ready(base, started, uid)
             if sandbox is None:
-                await self._miss(base, "not ready in time")
+                await self._miss(base, "not ready in time", scope, sandbox_id, uid)
                 return None
             name = str(sandbox["metadata"]["name"])
             await self._assign(name, env)
@@ -288,7 +358,7 @@ class WarmPool:
                 "agent-sandbox warm adoption failed; falling back to a cold sandbox",
                 extra={"sandbox": base, "error": str(exc)},
             )
-            await self._miss(base, "error")
+            await self._miss(base, "error", scope, sandbox_id, uid)
             return None
         launch = str(((sandbox.get("metadata") or {}).get("labels") or {}).get(LAUNCH_TYPE_LABEL) or "cold")
         self.metrics.time_to_sandbox.labels(launch).observe(time.monotonic() - started)
@@ -313,7 +383,7 @@ class WarmPool:
                 arm = "claimed"
             else:
                 if claim is not None:
-                    await self._gone(base)
+                    await self._gone(base, str((claim.get("metadata") or {}).get("uid", "")))
                 started = time.monotonic()  # the window is the new claim's, not the old one's exit
                 claim = await self._create_claim(scope, sandbox_id, env) or await self.read_claim(base)
         if claim is None:
@@ -321,20 +391,9 @@ class WarmPool:
         d.check_owner(d.found(claim, "SandboxClaim"), base, scope, sandbox_id)
         uid = str((claim.get("metadata") or {}).get("uid", ""))
         secret = assignment_secret_manifest(d.config, scope, sandbox_id, data, uid)
-        d.check_owner(await d.find("Secret", secret["metadata"]["name"]), base, scope, sandbox_id)
-        await d.call(
-            f"apply Secret {d.config.kubernetes_namespace}/{secret['metadata']['name']}",
-            d.core.patch_namespaced_secret,
-            secret["metadata"]["name"],
-            d.config.kubernetes_namespace,
-            secret,
-            env=env,
-            field_manager=FIELD_MANAGER,
-            force=True,
-            _content_type=APPLY_CONTENT_TYPE,
-        )
+        await d.write_secret(secret, scope, sandbox_id, env)  # absent or this sandbox's: conditional
         fallback = (scope, sandbox_id, env) if arm == "warm-claimed" else None
-        self._start_delivery(base, data, fallback, started)
+        self._start_delivery(base, data, fallback, uid, started)
         return arm
 
     async def _create_claim(
@@ -362,14 +421,16 @@ class WarmPool:
         base: str,
         data: bytes,
         fallback: tuple[SandboxScope, str, SandboxEnvironment] | None,
+        uid: str,
         started: float | None = None,
     ) -> None:
+        """Deliver ``data`` to the pod of the claim ``base`` whose uid is ``uid`` (checked by the caller)."""
         old = self._deliveries.pop(base, None)
         if old is not None:
             old.cancel()
         since = time.monotonic() if started is None else started
         task = asyncio.create_task(
-            self._deliver(base, data, fallback, since), name=f"agent-sandbox-assign-{base}"
+            self._deliver(base, data, fallback, uid, since), name=f"agent-sandbox-assign-{base}"
         )
         self._deliveries[base] = task
         task.add_done_callback(
@@ -381,14 +442,16 @@ class WarmPool:
         base: str,
         data: bytes,
         fallback: tuple[SandboxScope, str, SandboxEnvironment] | None,
+        uid: str,
         started: float,
     ) -> None:
         """Wait for the claim's pod, hand it the secrets, mark the claim; a miss goes cold (when this
         process still holds the ensure's environment) or is logged for the operator. ``started`` is
-        when the claim was created (or, after a restart, when its delivery began)."""
+        when the claim was created (or, after a restart, when its delivery began). Every step is on
+        the claim ``uid`` only: a claim replaced meanwhile is neither waited on, marked nor deleted."""
         d = self._driver
         try:
-            sandbox = await self._wait_ready(base, started)
+            sandbox = await self._wait_ready(base, started, uid)
             reason = "not ready in time"
             if sandbox is not None:
                 pod = str(sandbox["metadata"]["name"])
@@ -406,18 +469,7 @@ class WarmPool:
                         else:
                             await asyncio.sleep(0.2 * (attempt + 1))
             if sandbox is not None:
-                await d.call(
-                    f"annotate SandboxClaim {d.config.kubernetes_namespace}/{base}",
-                    d.custom.patch_namespaced_custom_object,
-                    EXT_GROUP,
-                    EXT_VERSION,
-                    d.config.kubernetes_namespace,
-                    CLAIMS,
-                    base,
-                    assigned_patch(),
-                    _content_type="application/merge-patch+json",
-                    tolerate=frozenset({404}),
-                )
+                await self._mark_assigned(base, uid)
                 launch = str(
                     ((sandbox.get("metadata") or {}).get("labels") or {}).get(LAUNCH_TYPE_LABEL) or "cold"
                 )
@@ -436,8 +488,8 @@ class WarmPool:
                     extra={"sandbox": base, "reason": reason},
                 )
                 return
-            await self._miss(base, reason)
             scope, sandbox_id, env = fallback
+            await self._miss(base, reason, scope, sandbox_id, uid)
             await d.ensure_cold(scope, sandbox_id, env)
         except asyncio.CancelledError:
             raise
@@ -468,8 +520,18 @@ class WarmPool:
         for claim in await self.list_ours(CLAIMS, tolerate=frozenset({404})):
             meta = claim.get("metadata") or {}
             base = str(meta.get("name", ""))
+            labels = meta.get("labels") or {}
+            scope, sandbox_id, uid = (
+                labels.get(LABEL_SCOPE),
+                labels.get(LABEL_SANDBOX_ID),
+                str(meta.get("uid", "")),
+            )
             if (
                 not base
+                or not uid
+                or scope not in WARM_SCOPES
+                or not sandbox_id
+                or sandbox_base_name(scope, sandbox_id) != base  # a claim whose labels and name disagree
                 or meta.get("deletionTimestamp")
                 or (meta.get("annotations") or {}).get(ANNOTATION_ASSIGNED)
                 or base in self._deliveries
@@ -482,41 +544,87 @@ class WarmPool:
                 d.config.kubernetes_namespace,
                 tolerate=frozenset({404}),
             )
-            raw = ((getattr(secret, "data", None) or {}) if secret is not None else {}).get(
-                ASSIGNMENT_SECRET_KEY
-            )
+            if secret is None or not _kept_for(secret, scope, sandbox_id, d.installation, uid):
+                continue  # not this claim's Secret (another's, or left from an earlier claim)
+            raw = (getattr(secret, "data", None) or {}).get(ASSIGNMENT_SECRET_KEY)
             if not raw:
                 continue  # made by a sync-mode ensure, or its Secret not written yet: the ensure's business
-            self._start_delivery(base, base64.b64decode(raw), None)
+            self._start_delivery(base, base64.b64decode(raw), None, uid)
             started += 1
         return started
 
-    async def _gone(self, base: str) -> None:
+    async def _gone(self, base: str, uid: str) -> None:
+        """Until the claim ``base`` with ``uid`` is gone (a claim made since under the name is not it)."""
         deadline = time.monotonic() + GONE_TIMEOUT_S
-        while await self.read_claim(base) is not None:
+        while (claim := await self.read_claim(base)) is not None and (
+            str((claim.get("metadata") or {}).get("uid", "")) == uid
+        ):
             if time.monotonic() > deadline:
                 raise SandboxError(
                     f"agent-sandbox SandboxClaim {base} still being deleted after {GONE_TIMEOUT_S:.0f}s"
                 )
             await asyncio.sleep(0.2)
 
-    async def _miss(self, base: str, reason: str) -> None:
-        """Count the miss and delete the claim, waiting until it is gone: the controller may have
-        cold-created a Sandbox named ``base`` for it, which the caller's own create would meet."""
+    async def _miss(self, base: str, reason: str, scope: SandboxScope, sandbox_id: str, uid: str) -> None:
+        """Count the miss and delete the claim this ensure made or checked (``uid``; "" = it made
+        none: nothing is deleted), waiting until it is gone: the controller may have cold-created a
+        Sandbox named ``base`` for it, which the caller's own create would meet. The claim is read
+        and checked again first: another sandbox's (or installation's) is never deleted."""
         self.metrics.misses.labels(reason).inc()
-        await self.delete_claim(base)
-        await self._gone(base)
+        if not uid:
+            return
+        claim = await self.read_claim(base)
+        if claim is None:
+            return
+        found = self._driver.found(claim, "SandboxClaim")
+        if found.uid != uid:
+            return  # replaced since: not the claim this ensure made
+        self._driver.check_owner(found, base, scope, sandbox_id)
+        await self.delete_claim(found)
+        await self._gone(base, uid)
+
+    async def _mark_assigned(self, base: str, uid: str) -> None:
+        """Annotate the claim ``uid`` as holding its assignment: a merge patch at the resourceVersion of
+        a read that found that very claim, still this installation's (409: read and tried again)."""
+        d = self._driver
+        for _ in range(WRITE_ATTEMPTS):
+            claim = await self.read_claim(base)
+            meta = (claim or {}).get("metadata") or {}
+            if claim is None or str(meta.get("uid", "")) != uid:
+                return  # gone or replaced: nothing of this delivery's to mark
+            if not is_installations(meta.get("labels"), d.installation):
+                return
+            patch = assigned_patch()
+            patch["metadata"]["resourceVersion"] = str(meta.get("resourceVersion", ""))
+            done = await d.call(
+                f"annotate SandboxClaim {d.config.kubernetes_namespace}/{base}",
+                d.custom.patch_namespaced_custom_object,
+                EXT_GROUP,
+                EXT_VERSION,
+                d.config.kubernetes_namespace,
+                CLAIMS,
+                base,
+                patch,
+                _content_type="application/merge-patch+json",
+                tolerate=frozenset({404, 409}),
+            )
+            if done is not None:
+                return
+        raise SandboxError(f"agent-sandbox SandboxClaim {base} kept changing while it was marked assigned")
 
     async def reassign(self, name: str, env: SandboxEnvironment) -> None:
         """A live claim's pod gets its secrets again (a fresh token, as upstream's Running arm
         rewrites the Secret): an earlier delivery may have failed, or the pod been recreated."""
         await self._assign(name, env)
 
-    async def _wait_ready(self, base: str, started: float) -> dict[str, Any] | None:
-        """The claim's Sandbox once the claim is Ready; neither may be on its way out."""
+    async def _wait_ready(self, base: str, started: float, uid: str) -> dict[str, Any] | None:
+        """The Sandbox of the claim ``uid`` once that claim is Ready; neither may be on its way out."""
         while time.monotonic() - started < self.adopt_timeout_s:
             claim = await self.read_claim(base)
-            alive = claim is not None and not (claim.get("metadata") or {}).get("deletionTimestamp")
+            meta = (claim or {}).get("metadata") or {}
+            alive = (
+                claim is not None and not meta.get("deletionTimestamp") and str(meta.get("uid", "")) == uid
+            )
             adopted = ((claim or {}).get("status") or {}).get("sandbox", {}).get("name") if alive else None
             if claim is not None and adopted and _ready(claim):
                 sandbox = await self._driver.read_sandbox(adopted)

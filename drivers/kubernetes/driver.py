@@ -101,7 +101,6 @@ from drivers.contract import (
     ScopedMethods,
 )
 from drivers.kubernetes.manifests import (
-    MANAGED_SELECTOR,
     PERSISTENT_SCOPES,
     deployment_manifest,
     pvc_manifest,
@@ -111,10 +110,12 @@ from drivers.kubernetes.manifests import (
     secret_name,
 )
 from drivers.naming import (
+    LABEL_INSTALLATION,
     LABEL_SANDBOX_ID,
     LABEL_SCOPE,
     is_owned_by,
     label_owner,
+    managed_selector,
     sandbox_base_name,
 )
 from drivers.runner.env import scrub
@@ -131,6 +132,33 @@ JSON_PATCH_CONTENT_TYPE: Final = "application/json-patch+json"
 #: Ask for an object's metadata only (labels, uid): a Secret's data never crosses the wire.
 PARTIAL_METADATA_ACCEPT: Final = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 LOG_LEFT_ALONE: Final = "sandbox deprovision left another sandbox's object alone"
+#: How often a conditional write is tried again after the object changed under it (a 409 on a
+#: precondition, a failed ``test`` op): each try re-reads and judges the object afresh.
+WRITE_ATTEMPTS: Final = 5
+
+
+def pointer(path: str) -> str:
+    """A JSON Pointer segment (``~`` and ``/`` escaped)."""
+    return path.replace("~", "~0").replace("/", "~1")
+
+
+def guard_ops(uid: str, sandbox_id: str | None, installation: str) -> list[dict[str, Any]]:
+    """JSON Patch ``test`` ops: the patch applies only to the very object checked (its uid), still
+    labelled with this sandbox's id (when it has one) and this installation."""
+    ops: list[dict[str, Any]] = [{"op": "test", "path": "/metadata/uid", "value": uid}] if uid else []
+    if sandbox_id is not None:
+        ops.append(
+            {"op": "test", "path": "/metadata/labels/" + pointer(LABEL_SANDBOX_ID), "value": sandbox_id}
+        )
+    ops.append(
+        {"op": "test", "path": "/metadata/labels/" + pointer(LABEL_INSTALLATION), "value": installation}
+    )
+    return ops
+
+
+def failed_test(exc: ApiException) -> bool:
+    """A JSON Patch refused because a ``test`` op failed (the object changed since it was checked)."""
+    return _status(exc) == 422 and "test" in api_error_message(exc).lower()
 
 
 def backend_endpoint_required(driver: str) -> str:
@@ -154,24 +182,43 @@ _T = TypeVar("_T")
 
 
 class Found:
-    """An object found under a sandbox's name: what the ownership check and a guarded delete need."""
+    """An object found under a sandbox's name: what the ownership check and a guarded write or
+    delete need (its labels, uid and resourceVersion as read)."""
 
-    def __init__(self, kind: str, where: str, labels: Mapping[str, str] | None, uid: str) -> None:
+    def __init__(
+        self,
+        kind: str,
+        where: str,
+        labels: Mapping[str, str] | None,
+        uid: str,
+        resource_version: str = "",
+    ) -> None:
         self.kind = kind
         self.where = where
         self.labels: Mapping[str, str] = labels or {}
         self.uid = uid
+        self.resource_version = resource_version
+
+    @property
+    def name(self) -> str:
+        return self.where.split("/", 1)[1]
 
     @property
     def owner(self) -> str | None:
         return label_owner(self.labels)
 
-    def owned_by(self, scope: SandboxScope, sandbox_id: str) -> bool:
-        return is_owned_by(self.labels, scope, sandbox_id)
+    @property
+    def installation(self) -> str | None:
+        return self.labels.get(LABEL_INSTALLATION) or None
 
-    def describe(self) -> str:
+    def owned_by(self, scope: SandboxScope, sandbox_id: str, installation: str) -> bool:
+        return is_owned_by(self.labels, scope, sandbox_id, installation)
+
+    def describe(self, installation: str | None = None) -> str:
         owner = self.owner
         held = f"{self.labels.get(LABEL_SCOPE, '?')} '{owner}'" if owner is not None else "no sandbox of ours"
+        if owner is not None and installation is not None and self.installation != installation:
+            held += f" of installation '{self.installation}'" if self.installation else " of no installation"
         return f"{self.kind} {self.where} (owned by {held})"
 
 
@@ -218,6 +265,8 @@ class KubernetesProvisioner(ScopedMethods):
         self._core = k8s.CoreV1Api(api_client)
         self._apps = k8s.AppsV1Api(api_client)
         self._ns = config.kubernetes_namespace
+        self._installation = config.installation
+        self._selector = managed_selector(config.installation)
         timeout = float(config.options.get("request_timeout") or 30)
         self._timeout = timeout
 
@@ -228,6 +277,15 @@ class KubernetesProvisioner(ScopedMethods):
     @property
     def namespace(self) -> str:
         return self._ns
+
+    @property
+    def installation(self) -> str:
+        return self._installation
+
+    @property
+    def selector(self) -> str:
+        """This installation's label selector: every list the driver makes."""
+        return self._selector
 
     # -- error mapping
     def _redact(self, message: str, env: SandboxEnvironment | None = None) -> str:
@@ -276,12 +334,23 @@ class KubernetesProvisioner(ScopedMethods):
             sandbox_id,
             found.owner,
             found.labels.get(LABEL_SCOPE),
+            found.installation,
+            self._installation,
         )
 
+    def owns(self, found: Found, scope: SandboxScope, sandbox_id: str) -> bool:
+        """Is ``found`` this sandbox's, made by this installation?"""
+        return found.owned_by(scope, sandbox_id, self._installation)
+
     def check_owner(self, found: Found | None, name: str, scope: SandboxScope, sandbox_id: str) -> None:
-        """Raise :class:`SandboxCollision` when ``found`` is another sandbox's object."""
-        if found is not None and not found.owned_by(scope, sandbox_id):
+        """Raise :class:`SandboxCollision` when ``found`` is another sandbox's object (another id's,
+        another installation's, or one without our labels)."""
+        if found is not None and not self.owns(found, scope, sandbox_id):
             raise self.collision(found, name, scope, sandbox_id)
+
+    def guard(self, found: Found, sandbox_id: str | None) -> list[dict[str, Any]]:
+        """The ``test`` ops that make a JSON Patch conditional on ``found`` as it was checked."""
+        return guard_ops(found.uid, sandbox_id, self._installation)
 
     def left_alone(self, found: Found, scope: SandboxScope, sandbox_id: str) -> None:
         self._logger.warning(
@@ -292,7 +361,8 @@ class KubernetesProvisioner(ScopedMethods):
                 "kind": found.kind,
                 "object": found.where,
                 "ownerId": found.owner,
-                "leftAlone": found.describe(),
+                "ownerInstallation": found.installation,
+                "leftAlone": found.describe(self._installation),
             },
         )
 
@@ -335,7 +405,7 @@ class KubernetesProvisioner(ScopedMethods):
         if not isinstance(meta, dict):
             return None
         m = meta.get("metadata") or {}
-        return Found(kind, where, m.get("labels"), str(m.get("uid", "")))
+        return Found(kind, where, m.get("labels"), str(m.get("uid", "")), str(m.get("resourceVersion", "")))
 
     # -- gateway
     async def read_deployment(self, name: str) -> Any:
@@ -352,34 +422,79 @@ class KubernetesProvisioner(ScopedMethods):
         meta = dep.metadata
         labels = meta.labels if meta is not None else None
         uid = str(meta.uid or "") if meta is not None else ""
-        return Found("Deployment", f"{self._ns}/{name}", labels, uid)
+        version = str(meta.resource_version or "") if meta is not None else ""
+        return Found("Deployment", f"{self._ns}/{name}", labels, uid, version)
 
     async def deployment_replicas(self, name: str) -> int | None:
         """``None`` on 404; ``spec.replicas`` (a missing value counts as 0)."""
         dep = await self.read_deployment(name)
         return None if dep is None else _replicas(dep)
 
-    async def _apply(self, kind: str, manifest: dict[str, Any], env: SandboxEnvironment) -> Any:
+    async def write_secret(
+        self, manifest: dict[str, Any], scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
+    ) -> tuple[Any, bool]:
+        """Write the sandbox's Secret only where it is absent or this sandbox's; (the object, created).
+
+        Absent: created (a create never takes over anything: a 409 means another writer won, and the
+        object is judged again). This sandbox's: server-side applied with the resourceVersion it was
+        checked at, so an object replaced or relabelled in between is never written (409: judged again).
+        Another's: :class:`SandboxCollision`, nothing written.
+        """
         name = manifest["metadata"]["name"]
-        fn = (
-            self._core.patch_namespaced_secret if kind == "Secret" else self._apps.patch_namespaced_deployment
-        )
+        where = f"{self._ns}/{name}"
+        for _ in range(WRITE_ATTEMPTS):
+            found = await self.find("Secret", name)
+            self.check_owner(found, sandbox_base_name(scope, sandbox_id), scope, sandbox_id)
+            if found is None:
+                created = await self._call(
+                    f"create Secret {where}",
+                    self._core.create_namespaced_secret,
+                    self._ns,
+                    manifest,
+                    env=env,
+                    field_manager=FIELD_MANAGER,
+                    tolerate=frozenset({409}),
+                )
+                if created is not None:
+                    return created, True
+                continue
+            conditional = {
+                **manifest,
+                "metadata": {**manifest["metadata"], "resourceVersion": found.resource_version},
+            }
+            applied = await self._call(
+                f"apply Secret {where}",
+                self._core.patch_namespaced_secret,
+                name,
+                self._ns,
+                conditional,
+                env=env,
+                field_manager=FIELD_MANAGER,
+                force=True,
+                _content_type=APPLY_CONTENT_TYPE,
+                tolerate=frozenset({404, 409}),
+            )
+            if applied is not None:
+                return applied, False
+        raise SandboxError(f"{self.driver_name} Secret {where} kept changing while an ensure wrote it")
+
+    async def _create_deployment(self, manifest: dict[str, Any], env: SandboxEnvironment) -> Any:
+        """Create the Deployment; ``None`` when one with the name exists (409: judged by the caller)."""
+        name = manifest["metadata"]["name"]
         return await self._call(
-            f"apply {kind} {self._ns}/{name}",
-            fn,
-            name,
+            f"create Deployment {self._ns}/{name}",
+            self._apps.create_namespaced_deployment,
             self._ns,
             manifest,
             env=env,
             field_manager=FIELD_MANAGER,
-            force=True,
-            _content_type=APPLY_CONTENT_TYPE,
+            tolerate=frozenset({409}),
         )
 
-    async def _apply_pvc(self, manifest: dict[str, Any]) -> bool:
-        """Create the claim; on 409 keep the existing one. True when created."""
+    async def _apply_pvc(self, manifest: dict[str, Any]) -> Any:
+        """Create the claim; on 409 keep the existing one. The created claim, else ``None``."""
         name = manifest["metadata"]["name"]
-        created = await self._call(
+        return await self._call(
             f"create PersistentVolumeClaim {self._ns}/{name}",
             self._core.create_namespaced_persistent_volume_claim,
             self._ns,
@@ -387,21 +502,39 @@ class KubernetesProvisioner(ScopedMethods):
             field_manager=FIELD_MANAGER,
             tolerate=frozenset({409}),
         )
-        return created is not None
 
-    async def _scale(self, name: str, replicas: int) -> bool:
-        """Merge-patch the scale subresource. False when the Deployment vanished (404)."""
-        done = await self._call(
-            f"scale Deployment {self._ns}/{name}",
-            self._apps.patch_namespaced_deployment_scale,
-            name,
+    async def json_patch(
+        self, action: str, fn: Callable[..., Any], *args: Any, env: SandboxEnvironment | None = None
+    ) -> bool:
+        """A JSON Patch carrying its own ``test`` ops; False when the object is gone (404) or a test
+        failed (it changed since it was checked): the caller judges it again."""
+        try:
+            await asyncio.to_thread(
+                fn,
+                *args,
+                field_manager=FIELD_MANAGER,
+                _content_type=JSON_PATCH_CONTENT_TYPE,
+                _request_timeout=self._timeout,
+            )
+        except ApiException as exc:
+            if _status(exc) == 404 or failed_test(exc):
+                return False
+            raise self.failure(action, exc, env) from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            message = self._redact(f"{type(exc).__name__}: {exc}", env)
+            raise SandboxError(f"{self.driver_name} {action} failed: {message}") from None
+        return True
+
+    async def _scale_up(self, found: Found, sandbox_id: str) -> bool:
+        """One replica, by a JSON Patch that tests the checked Deployment's uid and labels first.
+        False when it vanished or changed since it was read."""
+        return await self.json_patch(
+            f"scale Deployment {found.where}",
+            self._apps.patch_namespaced_deployment,
+            found.name,
             self._ns,
-            {"spec": {"replicas": replicas}},
-            field_manager=FIELD_MANAGER,
-            _content_type=MERGE_PATCH_CONTENT_TYPE,
-            tolerate=frozenset({404}),
+            [*self.guard(found, sandbox_id), {"op": "add", "path": "/spec/replicas", "value": 1}],
         )
-        return done is not None
 
     async def _delete(self, kind: str, name: str, uid: str = "") -> None:
         """Delete ``name``; with ``uid``, only that very object (a 409: it was replaced meanwhile)."""
@@ -423,38 +556,57 @@ class KubernetesProvisioner(ScopedMethods):
         self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
     ) -> SandboxProbeState:
         base = sandbox_base_name(scope, sandbox_id)
-        dep = await self.read_deployment(base)
-        if dep is not None:  # another sandbox's Deployment is never fast-pathed onto nor scaled
-            self.check_owner(self._found_deployment(dep, base), base, scope, sandbox_id)
-        replicas = None if dep is None else _replicas(dep)
-        if replicas is not None and replicas >= 1:
-            return "running"  # fast path: nothing applied, the pod keeps the token it booted with
-        if replicas == 0 and await self._scale(base, 1):
-            self._logger.info(
-                "Kubernetes sandbox scaled up",
-                extra={"scope": scope, "id": sandbox_id, "deployment": base},
-            )
-            return "running"
-        await self._provision(scope, sandbox_id, env)
-        return "running"  # the probe's mapping: one desired replica is `running`
+        for _ in range(WRITE_ATTEMPTS):
+            dep = await self.read_deployment(base)
+            if dep is None:
+                if await self._provision(scope, sandbox_id, env):
+                    return "running"  # the probe's mapping: one desired replica is `running`
+                continue  # a Deployment appeared under the name meanwhile: judged again
+            found = self._found_deployment(dep, base)
+            # another sandbox's Deployment is never fast-pathed onto nor scaled
+            self.check_owner(found, base, scope, sandbox_id)
+            if _replicas(dep) >= 1:
+                return "running"  # fast path: nothing applied, the pod keeps the token it booted with
+            if await self._scale_up(found, sandbox_id):
+                self._logger.info(
+                    "Kubernetes sandbox scaled up",
+                    extra={"scope": scope, "id": sandbox_id, "deployment": base},
+                )
+                return "running"
+            # gone or changed since the read: judged again
+        raise SandboxError(f"{self.driver_name} Deployment {self._ns}/{base} kept changing under the ensure")
 
-    async def _provision(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> None:
+    async def _provision(self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment) -> bool:
+        """Secret, claim, Deployment; False when a Deployment appeared under the name meanwhile (the
+        caller judges it). Each object is created, or written only when it is this sandbox's: two
+        colliding ids that both found nothing end with one owner and one :class:`SandboxCollision`."""
         base = sandbox_base_name(scope, sandbox_id)
-        secret = secret_name(base)
-        self.check_owner(await self.find("Secret", secret), base, scope, sandbox_id)
-        written = await self._apply("Secret", secret_manifest(self._config, scope, sandbox_id, env), env)
-        if scope in PERSISTENT_SCOPES and not await self._apply_pvc(
-            pvc_manifest(self._config, scope, sandbox_id)
+        written, _ = await self.write_secret(
+            secret_manifest(self._config, scope, sandbox_id, env), scope, sandbox_id, env
+        )
+        secret_uid = str(getattr(getattr(written, "metadata", None), "uid", "") or "")
+        claim_uid = ""
+        if scope in PERSISTENT_SCOPES:
+            created = await self._apply_pvc(pvc_manifest(self._config, scope, sandbox_id))
+            if created is not None:
+                claim_uid = str(getattr(getattr(created, "metadata", None), "uid", "") or "")
+            else:
+                # The claim exists: kept when it is this sandbox's (the repair arm's workspace), never
+                # mounted when it is another's. The Secret this ensure just wrote goes again.
+                claim = await self.find("PersistentVolumeClaim", pvc_name(base))
+                if claim is not None and not self.owns(claim, scope, sandbox_id):
+                    await self._undo(secret_uid, "", base)
+                    raise self.collision(claim, base, scope, sandbox_id)
+        if (
+            await self._create_deployment(deployment_manifest(self._config, scope, sandbox_id, env), env)
+            is None
         ):
-            # The claim exists: kept when it is this sandbox's (the repair arm's workspace), never
-            # mounted when it is another's. The Secret this ensure just wrote goes again.
-            claim = await self.find("PersistentVolumeClaim", pvc_name(base))
-            if claim is not None and not claim.owned_by(scope, sandbox_id):
-                uid = str(getattr(getattr(written, "metadata", None), "uid", "") or "")
-                if uid:
-                    await self._delete("Secret", secret, uid)
-                raise self.collision(claim, base, scope, sandbox_id)
-        await self._apply("Deployment", deployment_manifest(self._config, scope, sandbox_id, env), env)
+            dep = await self.read_deployment(base)
+            if dep is not None and not self.owns(self._found_deployment(dep, base), scope, sandbox_id):
+                # Another sandbox's create won the race: it keeps the name; what this one made goes.
+                await self._undo(secret_uid, claim_uid, base)
+                raise self.collision(self._found_deployment(dep, base), base, scope, sandbox_id)
+            return False
         self._logger.info(
             "Kubernetes sandbox provisioned",
             extra={
@@ -464,6 +616,14 @@ class KubernetesProvisioner(ScopedMethods):
                 "taskQueue": env.task_queue,
             },
         )
+        return True
+
+    async def _undo(self, secret_uid: str, claim_uid: str, base: str) -> None:
+        """Delete the Secret and claim this ensure wrote (by uid: only those very objects)."""
+        if secret_uid:
+            await self._delete("Secret", secret_name(base), secret_uid)
+        if claim_uid:
+            await self._delete("PersistentVolumeClaim", pvc_name(base), claim_uid)
 
     async def deprovision(self, scope: SandboxScope, sandbox_id: str) -> None:
         """Delete this sandbox's Deployment, Secret and claim; another sandbox's is left alone."""
@@ -475,19 +635,19 @@ class KubernetesProvisioner(ScopedMethods):
                 obj = await self.find(kind, name)
                 if obj is not None:
                     found.append(obj)
-        left = [f for f in found if not f.owned_by(scope, sandbox_id)]
+        left = [f for f in found if not self.owns(f, scope, sandbox_id)]
         for f in found:
             if f in left:
                 self.left_alone(f, scope, sandbox_id)
             else:
-                await self._delete(f.kind, f.where.split("/", 1)[1], f.uid)
+                await self._delete(f.kind, f.name, f.uid)
         self._logger.info(
             "Kubernetes sandbox deprovisioned",
             extra={
                 "scope": scope,
                 "id": sandbox_id,
                 "deployment": base,
-                "leftAlone": [f.describe() for f in left],
+                "leftAlone": [f.describe(self._installation) for f in left],
             },
         )
 
@@ -495,7 +655,7 @@ class KubernetesProvisioner(ScopedMethods):
         """``absent`` also when the Deployment under the name is another sandbox's."""
         base = sandbox_base_name(scope, sandbox_id)
         dep = await self.read_deployment(base)
-        if dep is None or not self._found_deployment(dep, base).owned_by(scope, sandbox_id):
+        if dep is None or not self.owns(self._found_deployment(dep, base), scope, sandbox_id):
             return "absent"
         return "running" if _replicas(dep) >= 1 else "stopped"
 
@@ -507,7 +667,7 @@ class KubernetesProvisioner(ScopedMethods):
                 f"list Deployments in {self._ns}",
                 self._apps.list_namespaced_deployment,
                 self._ns,
-                label_selector=MANAGED_SELECTOR,
+                label_selector=self._selector,
                 limit=self.list_page_size,
                 _continue=token,
             )
@@ -516,6 +676,8 @@ class KubernetesProvisioner(ScopedMethods):
                 if dep.metadata is None:
                     continue
                 labels: Mapping[str, str] = dep.metadata.labels or {}
+                if labels.get(LABEL_INSTALLATION) != self._installation:
+                    continue  # (the selector says so already: a second look costs nothing)
                 scope = labels.get(LABEL_SCOPE)
                 sandbox_id = labels.get(LABEL_SANDBOX_ID)
                 if scope not in SCOPES or not sandbox_id:

@@ -49,7 +49,6 @@ DEFAULT_RESOURCES: Final[dict[str, str]] = {
     "memory_limit": "2Gi",
 }
 PERSISTENT_SCOPES: Final[frozenset[SandboxScope]] = frozenset({"session", "workflow"})
-MANAGED_SELECTOR: Final = f"{LABEL_MANAGED_BY}={MANAGED_BY_VALUE}"
 
 
 def secret_name(base: str) -> str:
@@ -85,7 +84,7 @@ def sandbox_secret(
         "metadata": {
             "name": secret_name(sandbox_base_name(scope, sandbox_id)),
             "namespace": config.kubernetes_namespace,
-            "labels": sandbox_labels(scope, sandbox_id),
+            "labels": sandbox_labels(scope, sandbox_id, config.installation),
         },
         "type": "Opaque",
         "data": {k: base64.b64encode(v).decode("ascii") for k, v in data.items()},
@@ -107,7 +106,7 @@ def pvc_manifest(config: DriverConfig, scope: SandboxScope, sandbox_id: str) -> 
         "metadata": {
             "name": pvc_name(base),
             "namespace": config.kubernetes_namespace,
-            "labels": sandbox_labels(scope, sandbox_id),
+            "labels": sandbox_labels(scope, sandbox_id, config.installation),
         },
         "spec": spec,
     }
@@ -138,7 +137,7 @@ def deployment_manifest(
     config: DriverConfig, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
 ) -> dict[str, Any]:
     base = sandbox_base_name(scope, sandbox_id)
-    labels = sandbox_labels(scope, sandbox_id)
+    labels = sandbox_labels(scope, sandbox_id, config.installation)
     opts = {k: config.options.get(k) or default for k, default in DEFAULT_RESOURCES.items()}
     volume: dict[str, Any] = (
         {"name": WORKSPACE_VOLUME, "persistentVolumeClaim": {"claimName": pvc_name(base)}}

@@ -130,6 +130,7 @@ def test_a_session_sandbox_is_a_suspended_labelled_v1beta1_sandbox_with_one_work
     assert m["metadata"]["namespace"] == "stigmer-sandboxes"
     assert m["metadata"]["labels"] == {
         "stigmer.ai/managed-by": "stigmer-server",
+        "stigmer.ai/installation": "sandbox-lanes",  # the default installation (the default group)
         "stigmer.ai/scope": "session",
         "stigmer.ai/sandbox-id": "ses_1",
     }

@@ -11,11 +11,13 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from drivers.contract import (
+    DEFAULT_INSTALLATION,
     DriverConfig,
     SandboxCollision,
     SandboxEnvironment,
@@ -24,6 +26,7 @@ from drivers.contract import (
     SandboxScope,
 )
 from drivers.local_process import (
+    INSTALLATION_ENV,
     LOG_LEFT_ALONE,
     LocalProcessProvisioner,
     live_group_members,
@@ -371,15 +374,18 @@ async def test_a_runner_another_pod_spawned_but_never_recorded_is_adopted_not_do
             again.wait(5)
 
 
-def _runner_of_another_pod(workspace: Path) -> subprocess.Popen[bytes]:
-    """A runner as another pod's driver starts it (own process group, the sandbox's workspace in
-    its environment), with no record in the state dir."""
+def _runner_of_another_pod(
+    workspace: Path, installation: str = DEFAULT_INSTALLATION
+) -> subprocess.Popen[bytes]:
+    """A runner as another pod's driver starts it (own process group, the sandbox's workspace and its
+    installation in its environment), with no record in the state dir."""
     return subprocess.Popen(
         shlex.split(runner_command()),
         env={
             **os.environ,
             "WORKSPACE_ROOT_DIR": str(workspace),
             "STIGMER_TASK_QUEUE": "wfexec:wfx_lp_orphan",
+            INSTALLATION_ENV: installation,
         },
         start_new_session=True,
         stdin=subprocess.DEVNULL,
@@ -429,3 +435,94 @@ async def test_colliding_ids_never_touch_each_others_runner(
     assert await p.probe("workflow", FIRST) == "absent"
     assert not record.exists()
     assert await p.list_managed() == []
+
+
+async def test_two_installations_sharing_a_state_dir_and_an_id_never_touch_each_others_runner(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Production and staging on one host, one state dir, one sandbox id: staging's ensure fails naming
+    production's runner, its probe and listing do not see it, its deprovision ends nothing (neither the
+    recorded runner nor, searched by workspace, production's process). A record written before
+    installations were recorded (none in it) and its live runner are nobody's: left untouched too."""
+    caplog.set_level(logging.INFO, logger=LOGGER.name)
+    state = tmp_path / "state"
+    production = new_local_process_provisioner(replace(_config(state), installation="production"), LOGGER)
+    staging = new_local_process_provisioner(replace(_config(state), installation="staging"), LOGGER)
+    name = sandbox_base_name("workflow", "wfx_shared")
+    legacy_workspace = production.workspace_dir("workflow", "wfx_legacy")
+    legacy_workspace.mkdir(parents=True)
+    legacy = subprocess.Popen(  # a runner started before installations were recorded: no marker
+        shlex.split(runner_command()),
+        env={**os.environ, "WORKSPACE_ROOT_DIR": str(legacy_workspace)},
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        await production.ensure("workflow", "wfx_shared", _env("wfexec:wfx_shared"))
+        assert (await _runner_env(production, "workflow", "wfx_shared"))[INSTALLATION_ENV] == "production"
+        (pid,) = _starts(production, "workflow", "wfx_shared")
+        record = state / ".local-process" / f"{name}.json"
+        kept = record.read_text()
+        assert json.loads(kept)["installation"] == "production"
+
+        with pytest.raises(SandboxCollision) as err:
+            await staging.ensure("workflow", "wfx_shared", _env("wfexec:wfx_shared", token="tok-staging"))
+        assert str(err.value) == (
+            f"local-process sandbox name collision: runner process group {pid} (record {record}) belongs "
+            f"to workflow 'wfx_shared' of installation 'production', not to workflow 'wfx_shared' (both "
+            f"map to the name {name}); the runner process group was left untouched"
+        )
+        assert await staging.probe("workflow", "wfx_shared") == "absent"
+        assert await staging.list_managed() == []
+        await staging.deprovision("workflow", "wfx_shared")
+        left = [r for r in caplog.records if r.getMessage() == LOG_LEFT_ALONE]
+        assert [(r.__dict__["ownerId"], r.__dict__["ownerInstallation"]) for r in left] == [
+            ("wfx_shared", "production")
+        ]
+        # The barrier is the deprovision's return: a kill of the group would have been waited out in it.
+        assert _proc_state(pid) not in (None, "Z") and live_group_members(pid) != []
+        assert record.read_text() == kept
+        assert _starts(production, "workflow", "wfx_shared") == [pid], "staging spawned nothing"
+        assert await production.probe("workflow", "wfx_shared") == "running"
+
+        # A record of no installation (as written before they were recorded) naming a live runner.
+        await _wait_for(legacy_workspace / STARTS_FILE)
+        legacy_name = sandbox_base_name("workflow", "wfx_legacy")
+        legacy_record = state / ".local-process" / f"{legacy_name}.json"
+        identity = Path(f"/proc/{legacy.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        legacy_record.write_text(
+            json.dumps(
+                {
+                    "scope": "workflow",
+                    "sandbox_id": "wfx_legacy",
+                    "name": legacy_name,
+                    "pid": legacy.pid,
+                    "pgid": legacy.pid,
+                    "start_time": int(identity[19]),
+                    "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+                    "command": shlex.split(runner_command()),
+                    "workspace": str(legacy_workspace),
+                    "started_at": time.time(),
+                }
+            )
+        )
+        legacy_kept = legacy_record.read_text()
+        assert [m.sandbox_id for m in await production.list_managed()] == ["wfx_shared"]
+        with pytest.raises(SandboxCollision, match="of no installation"):
+            await production.ensure("workflow", "wfx_legacy", _env("wfexec:wfx_legacy"))
+        assert await production.probe("workflow", "wfx_legacy") == "absent"
+        await production.deprovision("workflow", "wfx_legacy")
+        assert legacy.poll() is None and live_group_members(legacy.pid) != [], "the legacy runner runs on"
+        assert legacy_record.read_text() == legacy_kept
+
+        await production.deprovision("workflow", "wfx_shared")
+        assert await _gone(pid)
+        assert len(production._locks) == 0 and len(staging._locks) == 0  # no lock outlives its use
+    finally:
+        if legacy.poll() is None:
+            legacy.kill()
+            legacy.wait(5)
+        for p in (production, staging):
+            for sandbox in await p.list_managed():
+                await p.deprovision(sandbox.scope, sandbox.sandbox_id)
+            await p.close()

@@ -11,12 +11,16 @@ from harness.memory_driver import MemoryProvisioner
 
 from drivers.contract import SCOPES, DriverConfig, SandboxProvisioner, SandboxProvisionerFactory, SandboxScope
 from drivers.naming import (
+    LABEL_INSTALLATION,
     LABEL_MANAGED_BY,
     LABEL_SANDBOX_ID,
     LABEL_SCOPE,
     MANAGED_BY_VALUE,
+    is_owned_by,
+    managed_selector,
     sandbox_base_name,
     sandbox_labels,
+    valid_installation,
 )
 from drivers.registry import (
     BUILT_IN_SANDBOX_PROVISIONER_TYPES,
@@ -165,10 +169,37 @@ def test_base_name_matches_the_vectors_the_runner_attach_waiter_pins() -> None:
     assert sandbox_base_name("connect", "aex_01m3zkdb6zbg983x4yvttsysyy") == "sbx-mcp-aa8898c8a32c"
 
 
-def test_labels_carry_the_reap_filter_scope_and_full_id() -> None:
-    assert sandbox_labels("workflow", "wfx_01J_UNDERSCORED.id") == {
+def test_labels_carry_the_reap_filter_installation_scope_and_full_id() -> None:
+    assert sandbox_labels("workflow", "wfx_01J_UNDERSCORED.id", "staging") == {
         LABEL_MANAGED_BY: MANAGED_BY_VALUE,
+        LABEL_INSTALLATION: "staging",
         LABEL_SCOPE: "workflow",
         LABEL_SANDBOX_ID: "wfx_01J_UNDERSCORED.id",
     }
     assert LABEL_MANAGED_BY == "stigmer.ai/managed-by" and MANAGED_BY_VALUE == "stigmer-server"
+    assert LABEL_INSTALLATION == "stigmer.ai/installation"
+    assert (
+        managed_selector("staging") == "stigmer.ai/managed-by=stigmer-server,stigmer.ai/installation=staging"
+    )
+
+
+def test_an_object_is_a_sandbox_s_only_with_its_id_scope_and_installation() -> None:
+    labels = sandbox_labels("workflow", "wfx_1", "production")
+    assert is_owned_by(labels, "workflow", "wfx_1", "production")
+    assert not is_owned_by(labels, "workflow", "wfx_1", "staging")  # another installation's
+    assert not is_owned_by(labels, "workflow", "wfx_2", "production")  # another id's (a collision)
+    assert not is_owned_by(labels, "session", "wfx_1", "production")
+    unlabelled = {k: v for k, v in labels.items() if k != LABEL_INSTALLATION}
+    assert not is_owned_by(unlabelled, "workflow", "wfx_1", "production")  # made before installations
+    assert not is_owned_by({}, "workflow", "wfx_1", "production")
+
+
+@pytest.mark.parametrize("good", ["sandbox-lanes", "prod", "a", "Staging_2.eu", "x" * 63])
+def test_an_installation_is_a_label_value(good: str) -> None:
+    assert valid_installation(good) == good
+
+
+@pytest.mark.parametrize("bad", ["", "-prod", "prod-", "a/b", "x" * 64, "with space"])
+def test_an_installation_that_cannot_be_a_label_value_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="not usable as a label value"):
+        valid_installation(bad)
