@@ -20,6 +20,19 @@ from events.codec import EncodedRecord
 KEY_KEPT_BYTES: Final = 4 * 1024
 HEADERS_KEPT_BYTES: Final = 64 * 1024
 REASON_KEPT_CHARS: Final = 4 * 1024
+#: The start of the reason the pod gives an input stamped too far ahead of its own clock when it read
+#: it (a producer whose clock runs ahead). The pod's clock is in no input, so ``replay`` takes such a
+#: dead letter as recorded instead of deriving it.
+AHEAD_OF_POD_CLOCK: Final = "meta.occurred_at is ahead of the pod's clock"
+
+
+def ahead_of_pod_reason(ahead_s: float, allowed_s: float) -> str:
+    return (
+        f"{AHEAD_OF_POD_CLOCK} by {ahead_s:.0f}s when the pod read the record "
+        f"(allowed: {allowed_s:g}s of clock skew; the producer's clock runs ahead)"
+    )
+
+
 #: Room for the size, hash and mark of a cut part.
 _CUT_HEADERS_BYTES: Final = 256
 

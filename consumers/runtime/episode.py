@@ -44,7 +44,8 @@ class Episode:
 
     def failed(self, exc: BaseException) -> float:
         """Count a failure; returns the seconds to wait before the next attempt."""
-        error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        name, text = type(exc).__name__, str(exc)
+        error = text if text.startswith(name) else f"{name}: {text}" if text else name
         self.attempts += 1
         if self._since is None:
             self._since = time.monotonic()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 
@@ -18,7 +19,12 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 from consumers.lanes.commands import Command, Outcome, StateView
 from consumers.lanes.outbox import new_effects
 from consumers.runtime.create_order import CreateOrderGate
-from consumers.runtime.dead_letters import bare_dead_letter, dead_letter_record, unparsable_dead_letter
+from consumers.runtime.dead_letters import (
+    ahead_of_pod_reason,
+    bare_dead_letter,
+    dead_letter_record,
+    unparsable_dead_letter,
+)
 from consumers.runtime.effects import Completion
 from consumers.runtime.kafka.failures import oversize_reason
 from consumers.runtime.kafka.sink import BatchSink
@@ -27,12 +33,20 @@ from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod_config import PodConfig, PodStats
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.state.store import StateStore
-from events.codec import TYPE_PREFIX, DecodeError, decode_input, encode, state_key, type_name
+from events.codec import TYPE_PREFIX, DecodeError, InputEvent, decode_input, encode, state_key, type_name
 from events.sandbox_lanes.v1 import inputs_pb2, state_pb2
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
 Records = list[ConsumerRecord[bytes, bytes]]
+
+
+def _ahead_of_now(event: InputEvent) -> float | None:
+    """Seconds the input's ``occurred_at`` is ahead of the pod's clock now (None: not stamped)."""
+    if not event.meta.HasField("occurred_at"):
+        return None
+    at = event.meta.occurred_at
+    return at.seconds + at.nanos / 1e9 - time.time()
 
 
 class PartitionTransaction:
@@ -156,6 +170,13 @@ class PartitionTransaction:
             )
         except DecodeError as exc:
             await self._dead_letter(rec, exc.reason)
+            return False
+        ahead_s = _ahead_of_now(event)
+        if ahead_s is not None and ahead_s > self.config.max_clock_ahead_s > 0:
+            # Its producer's clock runs ahead: stamped and timestamped in the future alike, it
+            # passes the check against the record's timestamp, and applied it would make every
+            # correct phase change after it stale. The pod's own clock is the reference here.
+            await self._dead_letter(rec, ahead_of_pod_reason(ahead_s, self.config.max_clock_ahead_s))
             return False
         if isinstance(event, inputs_pb2.SessionDeleted) and await self.gate.may_follow(self.consumer, rec):
             return True  # a create of this session produced before the delete may still be ahead

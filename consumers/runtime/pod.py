@@ -86,6 +86,19 @@ _FORGET_MESSAGES: dict[Forgotten, str] = {
 _UNRECORDABLE = "its result could not be recorded ({attempts} attempts): {error}"
 
 
+class _UnwaitedExecutor(ThreadPoolExecutor):
+    """The loop's default executor (driver SDK calls): its shutdown never waits on a call.
+
+    ``asyncio.run`` ends by shutting the default executor down and, on Python 3.11, waits for
+    every call in it without a bound: a driver call stuck in its SDK would keep a stopped pod
+    alive. The stop has its own bound (``SANDBOX_LANES_SHUTDOWN_TIMEOUT_S``); past it nothing is
+    waited on (the CLI exits without joining what is left, see ``tools.cli``).
+    """
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=True)
+
+
 @dataclass
 class _Suspect:
     """A partition whose transaction failed the same way a retry would (see :mod:`failures`).
@@ -148,6 +161,9 @@ class Pod:
         self._take_over_episode = Episode("taking partitions over", logger)
         #: Effect ids whose results are being recorded as failures (their own fold kept failing).
         self._unrecordable: set[str] = set()
+        #: Per partition: transactions failing for the world's reasons, and until when it rests.
+        self._commit_episodes: dict[int, Episode] = {}
+        self._resting: dict[int, float] = {}
         #: Take-overs in flight (at most one: a rebalance first releases, which cancels it).
         self._taking_over: set[asyncio.Task[None]] = set()
         #: When each effect was decided (monotonic), for the time-to-sandbox histogram.
@@ -209,7 +225,7 @@ class Pod:
         # Drivers call blocking SDKs (docker, kubernetes) through asyncio.to_thread: the default
         # executor (cores + 4 threads) would cap the driver concurrency at 6 on a 2-core node.
         asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(max_workers=cfg.driver_concurrency + 4, thread_name_prefix="sandbox-lanes-io")
+            _UnwaitedExecutor(max_workers=cfg.driver_concurrency + 4, thread_name_prefix="sandbox-lanes-io")
         )
         # Inputs must exist (the pod never creates them); its own topics are created when missing
         # (SANDBOX_LANES_CREATE_TOPICS) with the inputs' partition count. A MissingTopicsError /
@@ -528,6 +544,8 @@ class Pod:
                     async with asyncio.timeout(0.5):
                         await self.effects.ready.wait()
             await self._turn({})
+            if self._retry:  # a fold-back failed (the world): not again at once
+                await asyncio.sleep(0.2)
 
     async def _turn(self, fetched: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> None:
         """One turn: per partition number, fold back the results so far and decide the records fetched."""
@@ -630,6 +648,14 @@ class Pod:
                     self._consumer.seek(tp, records[0].offset)
             return
         started = time.monotonic()
+        if self._resting.get(partition, 0.0) > started:
+            # Its last transaction failed for the world's reasons: it rests (backoff) rather than
+            # hammer the broker; its records are read again and its results wait.
+            for tp, records in batch.items():
+                with contextlib.suppress(Exception):
+                    self._consumer.seek(tp, records[0].offset)
+            self._retry.extend(completions)
+            return
         limit: int | None = None
         if partition in self._suspects:
             # Small steps: one result per transaction first, then one record per transaction, so
@@ -711,6 +737,7 @@ class Pod:
         for p in partitions:
             self._create_gate.forget(p)
             self._suspects.pop(p, None)
+            self._resting.pop(p, None)
         self._retry = [c for c in self._retry if c.partition not in partitions]
         self._decided_at = {e: d for e, d in self._decided_at.items() if d[0] not in partitions}
         self._doomed = {ref: d for ref, d in self._doomed.items() if ref[1] not in partitions}
@@ -725,6 +752,10 @@ class Pod:
         assert self._consumer is not None
         self.stats.max_transaction_s = max(self.stats.max_transaction_s, time.monotonic() - started)
         self.stats.commits_failing_since = None
+        self._resting.pop(txn.partition, None)
+        episode = self._commit_episodes.get(txn.partition)
+        if episode is not None:
+            episode.recovered()
         self._create_gate.committed(txn.partition)
         for tp, offset in txn.offsets.items():
             self._standing[tp] = offset
@@ -887,10 +918,14 @@ class Pod:
             await self._retake(partition, error)
             return
         deterministic = is_deterministic(exc)
-        logger.error(
-            "transaction failed, rewinding",
-            extra={"partition": partition, "error": error, "deterministic": deterministic},
-        )
+        if deterministic:
+            logger.error(
+                "transaction failed, rewinding",
+                extra={"partition": partition, "error": error, "deterministic": deterministic},
+            )
+        else:  # the world: logged once per episode, the partition rests before its next try
+            delay = self._commit_episode(partition).failed(exc)
+            self._resting[partition] = time.monotonic() + delay
         if sink.guarantee == "exactly_once" and (deterministic or isinstance(exc, OutOfOrderSequenceNumber)):
             # A batch the broker refused leaves the producer's sequence numbers behind the
             # broker's: every later transaction would fail with OutOfOrderSequenceNumber.
@@ -899,6 +934,13 @@ class Pod:
         if deterministic:
             completions = self._give_up(txn, completions, error)
         self._retry.extend(completions)
+
+    def _commit_episode(self, partition: int) -> Episode:
+        episode = self._commit_episodes.get(partition)
+        if episode is None:
+            episode = Episode("the partition's transaction", logger, extra={"partition": partition})
+            self._commit_episodes[partition] = episode
+        return episode
 
     async def _retake(self, partition: int, error: str) -> None:
         """(The turn lock held.) Forget the partition and take it over again, still assigned here."""

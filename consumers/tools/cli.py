@@ -11,6 +11,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -88,7 +90,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
         asyncio.run(main())
     except (KafkaUnreachable, TopologyError) as exc:
         raise CommandError(str(exc)) from None  # one line on stderr (main), exit 2
+    _exit_if_threads_stuck(log)
     return 0
+
+
+def _exit_if_threads_stuck(log: logging.Logger, grace_s: float = 1.0) -> None:
+    """The pod has stopped within its bound; a thread still inside a client or SDK call (a broker
+    or engine that does not answer) must not keep the process alive: the interpreter would join it
+    at exit, without a bound. Such threads get ``grace_s``, then the process ends without them."""
+    deadline = time.monotonic() + grace_s
+    stuck = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    for thread in stuck:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t for t in stuck if t.is_alive()]
+    if not stuck:
+        return
+    log.warning(
+        "exiting without waiting on threads still inside client calls",
+        extra={"threads": ",".join(t.name for t in stuck)},
+    )
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class CommandError(Exception):

@@ -15,6 +15,7 @@ from consumers.lanes.commands import Command, CommandResult, Ensure, LaneConfig,
 from consumers.lanes.retention import finished
 from consumers.ops.progress import progress
 from consumers.ops.reaper import partitions_of
+from consumers.runtime.dead_letters import AHEAD_OF_POD_CLOCK
 from consumers.runtime.executor import CommandRunner
 from consumers.runtime.kafka.codecs import require_codecs
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
@@ -128,7 +129,7 @@ class RecordedRunner(CommandRunner):
 # --- the replay ----------------------------------------------------------------------------------
 
 #: The reasons the runtime (not the rules) gives a dead letter.
-_RUNTIME_REASONS = ("the Kafka client cannot parse the record", "its transaction failed ")
+_RUNTIME_REASONS = ("the Kafka client cannot parse the record", "its transaction failed ", AHEAD_OF_POD_CLOCK)
 
 
 def runtime_dead_letter(reason: str) -> str:

@@ -1,0 +1,249 @@
+"""What production does to the pod that is no record's fault (issue 33), on the real broker.
+
+- A phase change whose create is held back on its partition (here by a producer's transaction left
+  open past the old 30 s give-up, so a read_committed consumer cannot get past it) waits for the
+  create however long that takes, and is applied after it: never dead-lettered as "unknown".
+- A record whose type is not the one its topic carries is dead-lettered at once, with the reason,
+  and the records behind it go on.
+- A producer whose clock runs ahead (its event stamps and record timestamps alike) cannot make the
+  correct phase changes after it stale: its record is dead-lettered against the pod's clock, the
+  correct one tears the sandbox down, and a replay from another shell re-derives every decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from consumers.ops.settings import load_settings
+from consumers.tools.replay.command import lane_config
+from consumers.tools.replay.derive import replay
+from events.codec import encode
+from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2
+from tests.support.pod_harness import (
+    create_inputs,
+    read_topic,
+    running_pod,
+    unique_env,
+    wf_created,
+    wf_terminal,
+)
+
+pytestmark = pytest.mark.kafka
+
+#: Longer than the create-order gate's old give-up (30 s on wall-clock time).
+HELD_BACK_S = 40
+
+
+def _env(bootstrap: str, tmp_path: Path) -> dict[str, str]:
+    return unique_env(bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory", SANDBOX_LANES_PARTITIONS="1")
+
+
+async def _producer(bootstrap: str, **options: Any) -> AIOKafkaProducer:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", **options)
+    await producer.start()
+    return producer
+
+
+async def _outcomes(bootstrap: str, env: dict[str, str], execution_id: str, count: int) -> list[Any]:
+    topic = load_settings(env).topics.outcomes
+    deadline = time.monotonic() + 90
+    found: list[Any] = []
+    while time.monotonic() < deadline:
+        found = [
+            r.message
+            for r in await read_topic(bootstrap, topic, settle_s=0.2, timeout_s=5)
+            if getattr(r.message, "execution_id", None) == execution_id
+        ]
+        if len(found) >= count:
+            return found
+        await asyncio.sleep(0.3)
+    raise AssertionError(f"{execution_id}: {len(found)} of {count} outcomes: {found}")
+
+
+async def _dead_letters(bootstrap: str, env: dict[str, str]) -> list[dict[str, str]]:
+    topic = load_settings(env).topics.dead_letter
+    return [r.headers for r in await read_topic(bootstrap, topic, settle_s=0.2, timeout_s=5)]
+
+
+@pytest.mark.timeout(240)
+async def test_a_phase_change_waits_for_its_create_held_back_longer_than_the_old_timeout(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    env = _env(kafka_bootstrap, tmp_path)
+    await create_inputs(env)
+    topics = load_settings(env).topics
+    execution_id = f"wf-held-{uuid.uuid4().hex[:8]}"
+    holder = await _producer(
+        kafka_bootstrap, transactional_id=f"holder-{uuid.uuid4().hex[:6]}", transaction_timeout_ms=300_000
+    )
+    plain = await _producer(kafka_bootstrap)
+    try:
+        async with running_pod(env) as composed:
+            # The create is produced first, inside a transaction left open: the partition's last
+            # stable offset stays below it, so the pod cannot read it (nor anything after it there).
+            await holder.begin_transaction()
+            create = encode(wf_created(execution_id))
+            await (
+                await holder.send(
+                    topics.execution_created, create.value, key=create.key, headers=create.headers
+                )
+            )
+            phase = encode(wf_terminal(execution_id))
+            await plain.send_and_wait(topics.phase_changed, phase.value, key=phase.key, headers=phase.headers)
+            pod = composed.pod
+            # Positive barrier: the pod has looked at the phase change and holds it (counted only once
+            # it is applied or dead-lettered), and its loop keeps turning.
+            held_at = time.monotonic()
+            while time.monotonic() - held_at < HELD_BACK_S:
+                assert pod.stats.dead_lettered == 0, (
+                    "the phase change was dead-lettered while its create was held"
+                )
+                assert pod.health().alive, pod.health()
+                await asyncio.sleep(1.0)
+            assert sum(pod.stats.consumed.values()) == 0, pod.stats.consumed
+            await holder.commit_transaction()
+            outcomes = await _outcomes(kafka_bootstrap, env, execution_id, 2)
+            assert [type(o) for o in outcomes] == [
+                outcomes_pb2.SandboxProvisioned,
+                outcomes_pb2.SandboxDeprovisioned,
+            ], outcomes
+            assert pod.stats.dead_lettered == 0
+        assert await _dead_letters(kafka_bootstrap, env) == []
+    finally:
+        await holder.stop()
+        await plain.stop()
+
+
+@pytest.mark.timeout(180)
+async def test_a_record_of_another_topics_type_is_dead_lettered_at_once(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    env = _env(kafka_bootstrap, tmp_path)
+    await create_inputs(env)
+    topics = load_settings(env).topics
+    live = f"wf-live-{uuid.uuid4().hex[:8]}"
+    producer = await _producer(kafka_bootstrap)
+    try:
+        async with running_pod(env) as composed:
+            create = encode(wf_created(live))
+            await producer.send_and_wait(
+                topics.execution_created, create.value, key=create.key, headers=create.headers
+            )
+            assert [type(o) for o in await _outcomes(kafka_bootstrap, env, live, 1)] == [
+                outcomes_pb2.SandboxProvisioned
+            ]
+            # A workflow phase change labelled SessionDeleted (it would decode as one and end the live
+            # workflow's session), and a phase change written to the execution-created topic.
+            phase = encode(wf_terminal(live))
+            labelled = [
+                (k, b"sandbox_lanes.v1.SessionDeleted" if k == "ce_type" else v) for k, v in phase.headers
+            ]
+            first = await producer.send_and_wait(
+                topics.phase_changed, phase.value, key=phase.key, headers=labelled
+            )
+            started = time.monotonic()
+            second = await producer.send_and_wait(
+                topics.execution_created, phase.value, key=phase.key, headers=phase.headers
+            )
+            after = f"wf-after-{uuid.uuid4().hex[:8]}"
+            ordinary = encode(wf_created(after))
+            await producer.send_and_wait(
+                topics.execution_created, ordinary.value, key=ordinary.key, headers=ordinary.headers
+            )
+            assert [type(o) for o in await _outcomes(kafka_bootstrap, env, after, 1)] == [
+                outcomes_pb2.SandboxProvisioned
+            ]
+            waited = time.monotonic() - started
+            assert composed.pod.stats.dead_lettered == 2
+        letters = {
+            (h["dlq_source_topic"], h["dlq_source_offset"]): h["dlq_reason"]
+            for h in await _dead_letters(kafka_bootstrap, env)
+        }
+        assert letters == {
+            (topics.phase_changed, str(first.offset)): (
+                "event type 'sandbox_lanes.v1.SessionDeleted' on a topic that carries "
+                "'sandbox_lanes.v1.PhaseChanged' only"
+            ),
+            (topics.execution_created, str(second.offset)): (
+                "event type 'sandbox_lanes.v1.PhaseChanged' on a topic that carries "
+                "'sandbox_lanes.v1.ExecutionCreated' only"
+            ),
+        }
+        # Not held on any gate: the create written after them was provisioned well inside the old 30 s.
+        assert waited < 30, waited
+        # The live workflow was not touched: provisioned once, never torn down.
+        assert [type(o) for o in await _outcomes(kafka_bootstrap, env, live, 1)] == [
+            outcomes_pb2.SandboxProvisioned
+        ]
+    finally:
+        await producer.stop()
+
+
+@pytest.mark.timeout(180)
+async def test_a_producer_clock_running_ahead_cannot_make_later_phase_changes_stale(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    env = _env(kafka_bootstrap, tmp_path)
+    await create_inputs(env)
+    settings = load_settings(env)
+    topics = settings.topics
+    execution_id = f"wf-skew-{uuid.uuid4().hex[:8]}"
+    producer = await _producer(kafka_bootstrap)
+    try:
+        async with running_pod(env) as composed:
+            create = encode(wf_created(execution_id))
+            await producer.send_and_wait(
+                topics.execution_created, create.value, key=create.key, headers=create.headers
+            )
+            assert [type(o) for o in await _outcomes(kafka_bootstrap, env, execution_id, 1)] == [
+                outcomes_pb2.SandboxProvisioned
+            ]
+            # A producer whose clock is 50 minutes ahead (inside the broker's own 1 h allowance for
+            # CreateTime): the event's stamp and the record's timestamp agree, both in the future.
+            ahead_s = 50 * 60
+            skewed = wf_terminal(execution_id)
+            skewed.new_phase = common_pb2.EXECUTION_IN_PROGRESS
+            skewed.previous_phase = common_pb2.EXECUTION_PENDING
+            skewed.meta.occurred_at.seconds += ahead_s
+            record = encode(skewed)
+            sent = await producer.send_and_wait(
+                topics.phase_changed,
+                record.value,
+                key=record.key,
+                headers=record.headers,
+                timestamp_ms=int((time.time() + ahead_s) * 1000),
+            )
+            # Then the correct phase change, by a producer with a right clock.
+            done = encode(wf_terminal(execution_id))
+            await producer.send_and_wait(topics.phase_changed, done.value, key=done.key, headers=done.headers)
+            outcomes = await _outcomes(kafka_bootstrap, env, execution_id, 2)
+            assert [type(o) for o in outcomes] == [
+                outcomes_pb2.SandboxProvisioned,
+                outcomes_pb2.SandboxDeprovisioned,
+            ], outcomes
+            assert composed.pod.stats.dead_lettered == 1
+        (letter,) = await _dead_letters(kafka_bootstrap, env)
+        assert letter["dlq_source_offset"] == str(sent.offset)
+        reason = letter["dlq_reason"]
+        assert reason.startswith("meta.occurred_at is ahead of the pod's clock by "), letter
+        assert 2990 <= int(reason.split(" by ", 1)[1].split("s", 1)[0]) <= 3000, reason
+    finally:
+        await producer.stop()
+    # The auditor's replay, later and elsewhere: the pod's clock is in no input, so its dead letter
+    # is taken as recorded; every other decision re-derives.
+    report = await replay(
+        kafka_bootstrap,
+        topics,
+        lane_config(settings),
+        guarantee=settings.guarantee,
+        max_clock_ahead_s=settings.max_clock_ahead_s,
+    )
+    assert report.divergences == [], [d.as_dict() for d in report.divergences]
+    assert report.matched_dead_letters == report.recorded_dead_letters == 1
