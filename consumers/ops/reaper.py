@@ -5,7 +5,13 @@ execution states (inside a pod: its own restored ones, for the partitions it own
 the CLI: the whole compacted state topic, read-only), plans, and with ``apply``
 deprovisions each candidate and writes one ``SandboxReaped`` outcome per removal. Only
 what ``list_managed()`` returns is ever considered, and drivers list by the
-``stigmer.ai/managed-by`` label: a runtime object without our labels is never touched.
+``stigmer.ai/managed-by`` and ``stigmer.ai/installation`` labels: a runtime object without them (or of
+another installation) is never touched.
+
+Inside a pod each removal takes the sandbox's turn in the effect runner's per-sandbox order
+(``order``: :meth:`~consumers.runtime.effects.EffectRunner.exclusive`), and judges the sandbox again
+there, from the pod's states as they are then: a take-over or a new execution that ensured it after
+the plan (its ensure ran before the turn, or waits for it) keeps it, whatever the plan said.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +44,9 @@ if TYPE_CHECKING:
     from consumers.runtime.pod import Pod
 
 logger = logging.getLogger("sandbox_lanes.reaper")
+
+#: Runs work in a sandbox's turn (scope, sandbox id, work): the pod's effect runner's ``exclusive``.
+Order = Callable[[str, str, Callable[[], Awaitable[str]]], Awaitable[str]]
 
 
 @dataclass
@@ -115,6 +124,9 @@ class Reaper:
     local: Callable[[], tuple[dict[str, state_pb2.ExecutionState], Callable[[str], bool]]] | None = None
     #: Finished executions' states are removed after a retention (see :func:`plan_reap`).
     states_expire: bool = False
+    #: Inside a pod: each removal in the sandbox's turn of the effect runner's order, judged again
+    #: there. None (the CLI, beside the pods): the removal runs on its plan.
+    order: Order | None = None
 
     async def plan(self, now: float | None = None) -> tuple[list[ReapPlan], int]:
         # List first, then read state: the state view is never older than the listing.
@@ -153,23 +165,47 @@ class Reaper:
             await producer.stop()
         return ReapReport(results, apply, n_states)
 
+    def _still_reaped(self, result: ReapResult) -> str:
+        """ "" when the sandbox is still to be reaped by the pod's states now, else why it is kept."""
+        if self.local is None:
+            return ""
+        sb = result.plan.sandbox
+        states, owns = self.local()
+        if not owns(sb.sandbox_id):
+            return "its partition is no longer this pod's"
+        (again,) = plan_reap([sb], states, time.time(), self.grace_s, states_expire=self.states_expire)
+        return "" if again.verdict == "reap" else again.reason
+
     async def _remove(self, result: ReapResult, producer: AIOKafkaProducer) -> None:
         sb = result.plan.sandbox
 
-        async def remove() -> bool:
+        async def remove() -> str:
+            # In the sandbox's turn (inside a pod): judged again from the states as they are now.
+            kept = self._still_reaped(result)
+            if kept:
+                return kept
+            # One bound for the probe and the removal: neither may hold the pass up.
+            return await asyncio.wait_for(probe_and_remove(), self.teardown_timeout_s)
+
+        async def probe_and_remove() -> str:
             # The listing is older than the state read: a lane's teardown may have removed the
             # sandbox in between. Gone now is nothing to reap, and no SandboxReaped claims otherwise.
             if await self.provisioner.probe(sb.scope, sb.sandbox_id) == "absent":
-                return False
+                return "already gone"
             await self.provisioner.deprovision(sb.scope, sb.sandbox_id)
-            return True
+            return ""
 
         try:
-            # One bound for the probe and the removal: neither may hold the pass up.
-            if not await asyncio.wait_for(remove(), self.teardown_timeout_s):
+            kept = await (remove() if self.order is None else self.order(sb.scope, sb.sandbox_id, remove))
+            if kept:
                 logger.info(
-                    "Reaper candidate already gone",
-                    extra={"scope": sb.scope, "sandboxId": sb.sandbox_id, "sandboxName": sb.name},
+                    "Reaper candidate already gone" if kept == "already gone" else "Reaper candidate kept",
+                    extra={
+                        "scope": sb.scope,
+                        "sandboxId": sb.sandbox_id,
+                        "sandboxName": sb.name,
+                        "reason": kept,
+                    },
                 )
                 return
         except Exception as exc:
@@ -226,6 +262,7 @@ def reaper_for(settings: Settings, composed: Composed) -> Reaper | None:
         security=settings.kafka_security,
         local=_pod_states(composed.pod),
         states_expire=settings.state_retention_s > 0,
+        order=composed.pod.effects.exclusive,
     )
 
 

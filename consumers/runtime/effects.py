@@ -12,6 +12,10 @@ is revoked its queued calls are dropped (the next owner re-runs them from the
 state's outbox) and the results of calls already running are discarded. The
 epoch is checked again right before the driver is called, after the gate (the
 pod's :class:`~consumers.runtime.stall_guard.StallGuard`) has let the call through.
+
+Work that is not an effect but acts on a sandbox (the reaper's removal) takes its turn in the same
+order with :meth:`EffectRunner.exclusive`: it runs after every call queued for that sandbox, and a call
+submitted while it waits or runs waits for it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from consumers.lanes.commands import Command, CommandResult
 
@@ -28,6 +32,7 @@ logger = logging.getLogger("sandbox_lanes.effects")
 Run = Callable[[Command], Awaitable[CommandResult]]
 #: Awaited right before each driver call (the pod's stall guard): returns when the call may run.
 Gate = Callable[[], Awaitable[None]]
+_T = TypeVar("_T")
 
 
 class Completion(NamedTuple):
@@ -49,6 +54,16 @@ class _Call(NamedTuple):
     command: Command
 
 
+class _Turn(NamedTuple):
+    """Work of no partition holding a sandbox's turn (:meth:`EffectRunner.exclusive`)."""
+
+    work: Callable[[], Awaitable[object]]
+    done: asyncio.Future[object]
+
+
+_Entry = _Call | _Turn
+
+
 class EffectRunner:
     def __init__(self, run: Run, concurrency: int, gate: Gate | None = None) -> None:
         if concurrency < 1:
@@ -58,7 +73,7 @@ class EffectRunner:
         self._slots = asyncio.Semaphore(concurrency)
         self.concurrency = concurrency
         #: Per sandbox: the calls waiting behind the one running (a chain exists while it has work).
-        self._chains: dict[tuple[str, str], list[_Call]] = {}
+        self._chains: dict[tuple[str, str], list[_Entry]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         #: Effect id -> the call submitted and not yet completed or dropped. A resubmission is
         #: ignored while that call belongs to the partition's current epoch; a call of an old
@@ -82,10 +97,11 @@ class EffectRunner:
         for p in gone:
             self._epochs[p] = self._epochs.get(p, 0) + 1
         for chain in self._chains.values():
-            # The head (index 0) is running: it is kept so the chain stays ordered behind it.
-            kept = [chain[0]] + [c for c in chain[1:] if c.partition not in gone]
+            # The head (index 0) is running: it is kept so the chain stays ordered behind it. A turn
+            # belongs to no partition: it stays.
+            kept = [chain[0]] + [c for c in chain[1:] if isinstance(c, _Turn) or c.partition not in gone]
             for call in chain[1:]:
-                if call.partition in gone:
+                if isinstance(call, _Call) and call.partition in gone:
                     self._forget(call)
             chain[:] = kept
         dropped = [c for c in self._done if c.partition in gone]
@@ -118,16 +134,28 @@ class EffectRunner:
             return False
         call = _Call(partition, self._epochs.get(partition, 0), key, effect_id, command)
         self._taken[effect_id] = call
-        sandbox = (command.scope, command.sandbox_id)
+        self._enqueue((command.scope, command.sandbox_id), call)
+        return True
+
+    def _enqueue(self, sandbox: tuple[str, str], entry: _Entry) -> None:
         chain = self._chains.get(sandbox)
         if chain is not None:
-            chain.append(call)
-            return True
-        self._chains[sandbox] = [call]
+            chain.append(entry)
+            return
+        self._chains[sandbox] = [entry]
         task = asyncio.get_running_loop().create_task(self._drive(sandbox))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return True
+
+    async def exclusive(self, scope: str, sandbox_id: str, work: Callable[[], Awaitable[_T]]) -> _T:
+        """Run ``work`` in the sandbox's turn: after every call queued for it now, before any submitted
+        later (which waits until ``work`` has returned), within the driver concurrency and behind the
+        gate, as an effect's call. Its result or exception is the caller's. Cancelling the caller
+        while it waits gives the turn up; a runner that is cancelled (shutdown) cancels it."""
+        done: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._enqueue((scope, sandbox_id), _Turn(work, done))
+        result = await done
+        return result  # type: ignore[return-value]
 
     @property
     def outstanding(self) -> int:
@@ -148,7 +176,9 @@ class EffectRunner:
         try:
             while chain:
                 call = chain[0]
-                if self._current(call):
+                if isinstance(call, _Turn):
+                    await self._take_turn(call)
+                elif self._current(call):
                     async with self._slots:
                         # Ownership is judged when the call is about to run, not when it queued:
                         # the partition may have moved while it waited for a slot or a stall's hold.
@@ -173,10 +203,32 @@ class EffectRunner:
         except Exception:  # the run callable turns failures into results; this is a bug guard
             logger.exception("effect chain failed", extra={"sandbox": "/".join(sandbox)})
             for call in chain:
-                self._forget(call)
+                if isinstance(call, _Call):
+                    self._forget(call)
             chain.clear()
         finally:
+            for entry in chain:  # cancelled (shutdown): nobody waits on a turn for ever
+                if isinstance(entry, _Turn) and not entry.done.done():
+                    entry.done.cancel()
             del self._chains[sandbox]
+
+    async def _take_turn(self, turn: _Turn) -> None:
+        if turn.done.done():
+            return  # its caller gave up waiting
+        async with self._slots:
+            if self._gate is not None:
+                await self._gate()
+            try:
+                result = await turn.work()
+            except asyncio.CancelledError:
+                turn.done.cancel()
+                raise
+            except Exception as exc:
+                if not turn.done.done():
+                    turn.done.set_exception(exc)
+                return
+        if not turn.done.done():
+            turn.done.set_result(result)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no call is queued or running (shutdown); True when idle in time."""

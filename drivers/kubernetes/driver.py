@@ -156,9 +156,14 @@ def guard_ops(uid: str, sandbox_id: str | None, installation: str) -> list[dict[
     return ops
 
 
+#: What the API server answers (422, no causes) when a JSON Patch cannot be applied, as when a ``test``
+#: op fails; an object the patch makes invalid is a 422 naming the object and its causes instead.
+PATCH_NOT_APPLIED: Final = "the server rejected our request due to an error in our request"
+
+
 def failed_test(exc: ApiException) -> bool:
     """A JSON Patch refused because a ``test`` op failed (the object changed since it was checked)."""
-    return _status(exc) == 422 and "test" in api_error_message(exc).lower()
+    return _status(exc) == 422 and api_error_message(exc) == PATCH_NOT_APPLIED
 
 
 def backend_endpoint_required(driver: str) -> str:
@@ -432,13 +437,14 @@ class KubernetesProvisioner(ScopedMethods):
 
     async def write_secret(
         self, manifest: dict[str, Any], scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment
-    ) -> tuple[Any, bool]:
-        """Write the sandbox's Secret only where it is absent or this sandbox's; (the object, created).
+    ) -> tuple[str, bool]:
+        """Write the sandbox's Secret only where it is absent or this sandbox's; (its uid, created).
 
         Absent: created (a create never takes over anything: a 409 means another writer won, and the
-        object is judged again). This sandbox's: server-side applied with the resourceVersion it was
-        checked at, so an object replaced or relabelled in between is never written (409: judged again).
-        Another's: :class:`SandboxCollision`, nothing written.
+        object is judged again). This sandbox's: one JSON Patch that tests the uid and labels it was
+        checked with, then replaces the whole ``data`` (a key dropped since, say a token-less repair,
+        goes) and the owner references; changed in between, it is judged again. Another's:
+        :class:`SandboxCollision`, nothing written.
         """
         name = manifest["metadata"]["name"]
         where = f"{self._ns}/{name}"
@@ -456,26 +462,19 @@ class KubernetesProvisioner(ScopedMethods):
                     tolerate=frozenset({409}),
                 )
                 if created is not None:
-                    return created, True
+                    return str(getattr(created.metadata, "uid", "") or ""), True
                 continue
-            conditional = {
-                **manifest,
-                "metadata": {**manifest["metadata"], "resourceVersion": found.resource_version},
-            }
-            applied = await self._call(
-                f"apply Secret {where}",
-                self._core.patch_namespaced_secret,
-                name,
-                self._ns,
-                conditional,
-                env=env,
-                field_manager=FIELD_MANAGER,
-                force=True,
-                _content_type=APPLY_CONTENT_TYPE,
-                tolerate=frozenset({404, 409}),
-            )
-            if applied is not None:
-                return applied, False
+            ops = [
+                *self.guard(found, sandbox_id),
+                {"op": "add", "path": "/data", "value": manifest.get("data") or {}},
+            ]
+            refs = manifest["metadata"].get("ownerReferences")
+            if refs is not None:
+                ops.append({"op": "add", "path": "/metadata/ownerReferences", "value": refs})
+            if await self.json_patch(
+                f"write Secret {where}", self._core.patch_namespaced_secret, name, self._ns, ops, env=env
+            ):
+                return found.uid, False
         raise SandboxError(f"{self.driver_name} Secret {where} kept changing while an ensure wrote it")
 
     async def _create_deployment(self, manifest: dict[str, Any], env: SandboxEnvironment) -> Any:
@@ -581,10 +580,9 @@ class KubernetesProvisioner(ScopedMethods):
         caller judges it). Each object is created, or written only when it is this sandbox's: two
         colliding ids that both found nothing end with one owner and one :class:`SandboxCollision`."""
         base = sandbox_base_name(scope, sandbox_id)
-        written, _ = await self.write_secret(
+        secret_uid, _ = await self.write_secret(
             secret_manifest(self._config, scope, sandbox_id, env), scope, sandbox_id, env
         )
-        secret_uid = str(getattr(getattr(written, "metadata", None), "uid", "") or "")
         claim_uid = ""
         if scope in PERSISTENT_SCOPES:
             created = await self._apply_pvc(pvc_manifest(self._config, scope, sandbox_id))

@@ -27,6 +27,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from drivers.contract import (
+    DEFAULT_INSTALLATION,
     DriverConfig,
     SandboxCollision,
     SandboxEnvironment,
@@ -136,7 +137,7 @@ async def test_absent_provisions_secret_pvc_deployment_with_the_contract(
 
     await driver.ensure_session_sandbox(sid, SandboxEnvironment(f"session:{sid}", TOKEN, "user"))
 
-    labels = sandbox_labels("session", sid)
+    labels = sandbox_labels("session", sid, DEFAULT_INSTALLATION)
     secret = _core(kube_admin).read_namespaced_secret(secret_name(base), ns)
     assert secret.type == "Opaque"
     assert secret.metadata.labels == labels
@@ -205,11 +206,11 @@ async def test_absent_provisions_secret_pvc_deployment_with_the_contract(
     for value in (TOKEN, "sk-ant-secret-value", "-----BEGIN KEY-----x"):
         assert value not in rendered
 
-    # Written by server-side apply under our field manager (Secret, Deployment); PVC created.
-    assert any(m.manager == "sandbox-lanes" and m.operation == "Apply" for m in dep.metadata.managed_fields)
-    assert any(
-        m.manager == "sandbox-lanes" and m.operation == "Apply" for m in secret.metadata.managed_fields
-    )
+    # Created (never applied over an object that might be another's) under our field manager.
+    for obj in (dep, secret):
+        assert [(m.manager, m.operation) for m in obj.metadata.managed_fields] == [
+            ("sandbox-lanes", "Update")
+        ]
     assert await driver.probe("session", sid) == "running"
 
 
@@ -371,7 +372,7 @@ async def test_token_less_omits_the_env_but_keeps_an_empty_secret(
     finally:
         await p.close()
     secret = _core(kube_admin).read_namespaced_secret(secret_name(base), kube_namespace)
-    assert secret.metadata.labels == sandbox_labels("session", sid)
+    assert secret.metadata.labels == sandbox_labels("session", sid, DEFAULT_INSTALLATION)
     assert not secret.data
     runner = (
         _apps(kube_admin).read_namespaced_deployment(base, kube_namespace).spec.template.spec.containers[0]
@@ -435,7 +436,10 @@ async def test_colliding_ids_never_touch_each_others_objects(
     await driver.ensure_workflow_sandbox(FIRST, SandboxEnvironment(f"wfexec:{FIRST}", TOKEN, "user"))
     first = _owned_objects(kube_admin, ns, base)
     assert set(first) == {"Deployment", "Secret", "PersistentVolumeClaim", "data", "replicas"}
-    assert all(first[k][2] == sandbox_labels("workflow", FIRST) for k in ("Deployment", "Secret"))
+    assert all(
+        first[k][2] == sandbox_labels("workflow", FIRST, DEFAULT_INSTALLATION)
+        for k in ("Deployment", "Secret")
+    )
     second_env = SandboxEnvironment(f"wfexec:{SECOND}", "tok-second-execution", "user")
 
     # The fast path onto a running Deployment.
@@ -641,7 +645,7 @@ def _quota(api: Any, ns: str, hard: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     ("hard", "failing"),
     [
-        ({"count/secrets": "0"}, "apply Secret"),
+        ({"count/secrets": "0"}, "create Secret"),
         ({"persistentvolumeclaims": "0"}, "create PersistentVolumeClaim"),
     ],
 )

@@ -484,3 +484,133 @@ async def test_sandbox_lanes_run_starts_the_periodic_reaper(
         await driver.close()
     assert code == 0 and seconds < 30
     assert "periodic reaper on" in pod.log()
+
+
+# --- the reaper in the effect runner's per-sandbox order (issue 34) ---------------------------------
+
+
+async def _a_recover_while_the_reaper_runs(driver: Any, sandbox_id: str, *, held: bool) -> None:
+    """The reaper plans a sandbox no state names (an orphan past grace), then a take-over restores
+    its execution's live state and resumes its ensure through the pod's effect runner. With ``held``
+    the ensure is still held (the stall guard's gate) when the reaper's removal starts, so the removal
+    waits for the sandbox's turn behind it; without, the ensure has run before the removal starts (a
+    plan minutes old). Either way the sandbox ends alive: the removal judges again, in its turn, from
+    the states as they are then. A reaper acting on its plan (or beside the order) deletes it."""
+    from consumers.lanes.commands import Command, CommandResult, Ensure
+    from consumers.lanes.credentials import SandboxCredentialRequest
+    from consumers.ops.reaper import Reaper, ReapResult
+    from consumers.runtime.effects import EffectRunner
+    from consumers.runtime.kafka.topology import Topics
+
+    class Outcomes:
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        async def send_and_wait(self, topic: str, value: bytes, **_: Any) -> None:
+            self.sent.append(value)
+
+    env = SandboxEnvironment(task_queue=f"wfexec:{sandbox_id}")
+    await driver.ensure("workflow", sandbox_id, env)  # the runner a crashed pod left behind
+    assert await driver.probe("workflow", sandbox_id) == "running"
+    (listed,) = [m for m in await driver.list_managed() if m.sandbox_id == sandbox_id]
+    ensures: list[str] = []
+
+    async def run(command: Command) -> CommandResult:
+        state = await driver.ensure(command.scope, command.sandbox_id, env)
+        ensures.append(state)
+        return CommandResult(ok=True, probe_state=state)
+
+    gate_open = asyncio.Event()
+    if not held:
+        gate_open.set()
+    runner = EffectRunner(run, concurrency=4, gate=gate_open.wait)
+    runner.own([0])
+    states: dict[str, state_pb2.ExecutionState] = {}
+    reaper = Reaper(
+        driver,
+        "127.0.0.1:9",
+        Topics(),
+        LaneConfig(enabled=True, driver_name=driver.driver_name),
+        grace_s=0.0,
+        local=lambda: (dict(states), lambda _key: True),
+        order=runner.exclusive,
+    )
+    (plan,) = plan_reap([listed], states, time.time() + 1, 0.0)
+    assert plan.verdict == "reap", plan  # an orphan when the pass planned
+    # The take-over: the execution's live state restored, its pending ensure resumed.
+    states[sandbox_id] = _state(sandbox_id, phase=common_pb2.EXECUTION_IN_PROGRESS)
+    mint = SandboxCredentialRequest("workflow", "", sandbox_id, "org", "usr")
+    assert runner.submit(
+        0, sandbox_id, f"effect-{sandbox_id}", Ensure("workflow", sandbox_id, env.task_queue, "", mint, True)
+    )
+    if not held:
+        await wait_until(lambda: runner.outstanding == 1 and runner.ready.is_set())
+    outcomes = Outcomes()
+    result = ReapResult(plan)
+    removal = asyncio.create_task(reaper._remove(result, outcomes))  # type: ignore[arg-type]
+    if held:
+        await wait_until(lambda: len(runner._chains[("workflow", sandbox_id)]) == 2)  # queued behind
+        assert not removal.done() and ensures == []
+        gate_open.set()
+    await asyncio.wait_for(removal, 60)
+    assert ensures == ["running"]
+    assert (result.removed, result.error, outcomes.sent) == (False, "", [])
+    assert await driver.probe("workflow", sandbox_id) == "running", "the recovered sandbox was reaped"
+
+    # Once the execution is over, the same removal in the same order does reap it.
+    states[sandbox_id] = _state(sandbox_id, phase=common_pb2.EXECUTION_COMPLETED)
+    (done,) = plan_reap([listed], states, time.time(), 0.0)
+    again = ReapResult(done)
+    await asyncio.wait_for(reaper._remove(again, outcomes), 60)
+    assert again.removed and len(outcomes.sent) == 1
+    assert await driver.probe("workflow", sandbox_id) == "absent"
+
+
+async def wait_until(condition: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["ensure-held-in-its-turn", "ensure-done-before"])
+async def test_a_recover_re_ensuring_a_local_process_sandbox_while_the_reaper_runs_keeps_it(
+    tmp_path: Path, held: bool
+) -> None:
+    from drivers.contract import DriverConfig
+    from tests.support.runner_stub import runner_command
+
+    driver = new_local_process_provisioner(
+        DriverConfig(
+            runner_command=runner_command(), options={"state_dir": str(tmp_path), "grace_seconds": "1"}
+        ),
+        LOG,
+    )
+    try:
+        await _a_recover_while_the_reaper_runs(driver, f"wfx_recover_lp_{RUN}", held=held)
+    finally:
+        for sandbox in await driver.list_managed():
+            await driver.deprovision(sandbox.scope, sandbox.sandbox_id)
+        await driver.close()
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["ensure-held-in-its-turn", "ensure-done-before"])
+async def test_a_recover_re_ensuring_a_docker_sandbox_while_the_reaper_runs_keeps_it(
+    dockerd: Dockerd, docker_image: str, held: bool
+) -> None:
+    from drivers.contract import DriverConfig
+
+    driver = new_docker_provisioner(
+        DriverConfig(
+            backend_endpoint="http://127.0.0.1:7234",
+            temporal_address="127.0.0.1:7233",
+            options={"docker_host": dockerd.socket_url, "image": docker_image, "network": "none"},
+        ),
+        LOG,
+    )
+    sandbox_id = f"wfx_recover_dk_{RUN}_{held}".lower()
+    try:
+        await _a_recover_while_the_reaper_runs(driver, sandbox_id, held=held)
+    finally:
+        await driver.deprovision("workflow", sandbox_id)
+        await driver.close()

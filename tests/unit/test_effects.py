@@ -265,3 +265,53 @@ async def test_the_stall_guard_holds_calls_after_a_stall_that_may_have_cost_the_
     now[0] += 60
     await asyncio.wait_for(idle.clear(), 1)
     assert idle.stalls == 0
+
+
+async def test_an_exclusive_turn_runs_after_the_sandboxs_queued_calls_and_before_later_ones() -> None:
+    """The reaper's removal takes the sandbox's turn: it waits for the ensure running and the one
+    queued, a teardown submitted while it runs waits for it, another sandbox is not held up, a
+    disown does not drop it, and its result (or exception) is its caller's."""
+    driver = Held()
+    runner = EffectRunner(driver, concurrency=4)
+    runner.own([0])
+    runner.submit(0, "wfx_a", "e1", ensure("wfx_a"))
+    runner.submit(0, "wfx_a", "e2", ensure("wfx_a"))
+    await until(lambda: driver.started("Ensure", "wfx_a") == 1, "the first ensure runs")
+    order: list[str] = []
+    turn_held = asyncio.Event()
+
+    async def work() -> str:
+        order.append("turn start")
+        await turn_held.wait()
+        order.append("turn end")
+        return "kept"
+
+    turn = asyncio.create_task(runner.exclusive("workflow", "wfx_a", work))
+    runner.disown([7])  # another partition's revocation: the turn belongs to none, it stays
+    runner.submit(0, "wfx_b", "e3", ensure("wfx_b"))
+    await until(lambda: driver.started("Ensure", "wfx_b") == 1, "another sandbox runs meanwhile")
+    assert order == [] and not turn.done()
+    driver.release("wfx_a")
+    await until(lambda: order == ["turn start"], "the turn starts after both ensures")
+    assert driver.started("Ensure", "wfx_a") == 2
+    runner.submit(0, "wfx_a", "e4", teardown("wfx_a"))
+    chain = runner._chains[("workflow", "wfx_a")]
+    assert [type(entry).__name__ for entry in chain] == ["_Turn", "_Call"]  # queued behind the turn
+    assert driver.started("Deprovision", "wfx_a") == 0
+    turn_held.set()
+    assert await asyncio.wait_for(turn, 10) == "kept"
+    await until(lambda: driver.started("Deprovision", "wfx_a") == 1, "the teardown follows the turn")
+    assert order == ["turn start", "turn end"]
+    driver.release("wfx_b")
+
+    async def fails() -> str:
+        raise RuntimeError("the driver refused")
+
+    try:
+        await asyncio.wait_for(runner.exclusive("workflow", "wfx_c", fails), 10)
+    except RuntimeError as exc:
+        assert str(exc) == "the driver refused"
+    else:
+        raise AssertionError("the turn's exception is its caller's")
+    assert runner.outstanding == 4  # turns are not effects: nothing to fold back
+    await until_done(runner, 4)
