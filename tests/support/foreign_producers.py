@@ -7,6 +7,7 @@ every record batch, read from the partition's log segments.
 from __future__ import annotations
 
 import functools
+import shutil
 import struct
 import subprocess
 import tempfile
@@ -61,14 +62,20 @@ def _lib() -> Path:
 @functools.cache
 def _java_classes() -> Path:
     """RecordFileProducer compiled once per process against Kafka 4.4.0's client jars."""
+    javac = shutil.which("javac")
+    if javac is None:
+        raise RuntimeError("javac not found: the Java producer needs a JDK (Debian: openjdk-17-jdk-headless)")
     with _compile_lock:
         out = Path(tempfile.mkdtemp(prefix="sandbox-lanes-java-producer-"))
-        subprocess.run(
-            ["javac", "-nowarn", "-d", str(out), "-cp", f"{_lib()}/*", str(_JAVA_SOURCE)],
-            check=True,
+        done = subprocess.run(
+            [javac, "-nowarn", "-d", str(out), "-cp", f"{_lib()}/*", str(_JAVA_SOURCE)],
             capture_output=True,
+            text=True,
             timeout=180,
+            check=False,
         )
+        if done.returncode != 0:
+            raise RuntimeError(f"javac failed ({done.returncode}):\n{done.stderr[-3000:]}")
         return out
 
 
