@@ -130,3 +130,21 @@ def test_each_reading_command_says_it_in_one_line(
     assert len(err) == 1, err
     assert err[0].startswith(f"sandbox-lanes {command[0]}: Kafka: MissingCodecError: "), err
     assert "cannot decompress lz4 " in err[0]
+
+
+def test_the_pod_command_exits_with_the_error_instead_of_retrying(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`sandbox-lanes run`: a missing codec is not a world fault waited out; the process ends, exit 2."""
+    for name, value in {
+        "KAFKA_BOOTSTRAP_SERVERS": NOWHERE,
+        "SANDBOX_PROVISIONER_TYPE": "",
+        "SANDBOX_LANES_HTTP_PORT": "0",
+        "SANDBOX_LANES_REAP_INTERVAL_S": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
+    _lose(monkeypatch, "snappy", "zstd")
+    assert cli.main(["run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("sandbox-lanes run: Kafka: MissingCodecError: "), err
+    assert "cannot decompress snappy, zstd " in err[-1]
