@@ -35,7 +35,7 @@ if [[ $want_system -eq 1 ]]; then
   # the pod image test builds its Python base from Debian packages (devtools/harness/python_base_image.py)
   command -v debootstrap >/dev/null || [[ -x /usr/sbin/debootstrap ]] || missing+=(debootstrap)
   command -v openssl >/dev/null || missing+=(openssl)
-  command -v java >/dev/null || missing+=(openjdk-17-jre-headless)
+  command -v javac >/dev/null || missing+=(openjdk-17-jdk-headless)  # javac: the Java producer of the codec test
   command -v mvn >/dev/null || missing+=(maven)
   command -v go >/dev/null || [[ -x /usr/local/go/bin/go ]] || missing+=(golang-go)
   if [[ ${#missing[@]} -gt 0 ]]; then
