@@ -17,6 +17,7 @@ import asyncio
 import base64
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from drivers.kubernetes.driver import (
     KubernetesProvisioner,
     new_kubernetes_provisioner,
 )
-from drivers.kubernetes.manifests import pvc_name, secret_name
+from drivers.kubernetes.manifests import deployment_manifest, pvc_name, secret_name
 from drivers.naming import sandbox_base_name, sandbox_labels
 from drivers.registry import new_sandbox_provisioner
 from tests.support.collisions import FIRST, SECOND, assert_collide
@@ -967,3 +968,189 @@ async def test_every_role_grant_is_needed(
         assert f'cannot {verb} resource "{resource}"' in str(err.value)
     finally:
         await p.close()
+
+
+# --------------------------------------------------------------------------- issue 34: owned and ordered
+
+
+async def test_colliding_ids_creating_at_the_same_instant_end_with_one_owner_and_one_collision(
+    kube_apiserver: KubeApiServer, kube_admin: Any, kube_namespace: str
+) -> None:
+    """Two pods ensure two colliding ids at once, both finding nothing: every object is created (never
+    applied over), so one create wins each name and the other ensure fails with a SandboxCollision,
+    having written nothing of the winner's. Five rounds, each side starting first in turn."""
+    ns, base = kube_namespace, assert_collide("workflow")
+    pods = [new_kubernetes_provisioner(_config(ns, kube_apiserver.kubeconfig_path), LOG) for _ in range(2)]
+    try:
+        for round_ in range(5):
+            ids = (FIRST, SECOND) if round_ % 2 == 0 else (SECOND, FIRST)
+            results = await asyncio.gather(
+                *(
+                    pod.ensure("workflow", sid, SandboxEnvironment(f"wfexec:{sid}", f"tok-{sid}", "user"))
+                    for pod, sid in zip(pods, ids, strict=True)
+                ),
+                return_exceptions=True,
+            )
+            won = [sid for sid, r in zip(ids, results, strict=True) if r == "running"]
+            lost = [r for r in results if isinstance(r, SandboxCollision)]
+            assert len(won) == 1 and len(lost) == 1, results
+            (winner,) = won
+            objects = _owned_objects(kube_admin, ns, base)
+            assert {k for k in objects if k in ("Deployment", "Secret", "PersistentVolumeClaim")} == {
+                "Deployment",
+                "Secret",
+                "PersistentVolumeClaim",
+            }
+            for kind in ("Deployment", "Secret", "PersistentVolumeClaim"):
+                assert objects[kind][2] == sandbox_labels("workflow", winner, DEFAULT_INSTALLATION), kind
+            assert objects["data"]["STIGMER_TOKEN"] == f"tok-{winner}", "the loser's token was written"
+            assert await pods[0].probe("workflow", winner) == "running"
+            for kind, name, read in (
+                ("Deployment", base, _apps(kube_admin).read_namespaced_deployment),
+                ("Secret", secret_name(base), _core(kube_admin).read_namespaced_secret),
+                (
+                    "PersistentVolumeClaim",
+                    pvc_name(base),
+                    _core(kube_admin).read_namespaced_persistent_volume_claim,
+                ),
+            ):
+                await pods[0]._delete(kind, name)
+                deadline = asyncio.get_running_loop().time() + 30
+                while _read_or_none(read, name, ns) is not None:  # a claim's protection finalizer
+                    assert asyncio.get_running_loop().time() < deadline, f"{kind} not gone"
+                    _strip_finalizers(kube_admin, kind, name, ns)
+                    await asyncio.sleep(0.05)
+    finally:
+        for pod in pods:
+            await pod.close()
+
+
+def _strip_finalizers(admin: Any, kind: str, name: str, ns: str) -> None:
+    if kind != "PersistentVolumeClaim":
+        return
+    try:
+        _core(admin).patch_namespaced_persistent_volume_claim(
+            name, ns, {"metadata": {"finalizers": None}}, _content_type="application/merge-patch+json"
+        )
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
+async def test_a_scale_up_checked_against_a_deployment_replaced_since_changes_nothing(
+    driver: KubernetesProvisioner, kube_admin: Any, kube_namespace: str
+) -> None:
+    """The scale-up's JSON Patch tests the uid and labels it read: a Deployment replaced in between
+    (here by another installation's, stopped) is not scaled, and the ensure then names the new owner."""
+    ns, sid = kube_namespace, "wfx_replaced"
+    base = sandbox_base_name("workflow", sid)
+    await driver.ensure("workflow", sid, SandboxEnvironment(f"wfexec:{sid}", TOKEN))
+    _scale_to(kube_admin, base, ns, 0)
+    stale = driver._found_deployment(await driver.read_deployment(base), base)
+    _apps(kube_admin).delete_namespaced_deployment(base, ns)
+    replacement = _apps(kube_admin).read_namespaced_deployment  # (read below, after it is made)
+    manifest = deployment_manifest(
+        replace(driver._config, installation="staging"), "workflow", sid, SandboxEnvironment("q")
+    )
+    manifest["spec"]["replicas"] = 0
+    _apps(kube_admin).create_namespaced_deployment(ns, manifest)
+    before = replacement(base, ns)
+    assert not await driver._scale_up(stale, sid)
+    after = replacement(base, ns)
+    assert (after.metadata.uid, after.metadata.resource_version, after.spec.replicas) == (
+        before.metadata.uid,
+        before.metadata.resource_version,
+        0,
+    )
+    with pytest.raises(SandboxCollision, match="of installation 'staging'"):
+        await driver.ensure("workflow", sid, SandboxEnvironment(f"wfexec:{sid}", TOKEN))
+    assert replacement(base, ns).metadata.resource_version == before.metadata.resource_version
+
+
+async def test_two_installations_in_one_namespace_on_the_node_never_touch_each_others_objects(
+    kube_node: Any, node_admin: Any, node_namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Production and staging in one namespace of the real node, and objects without our labels (a
+    plain Deployment under a sandbox's name, one made before installations were labelled): each
+    installation lists, probes, ensures, scales and deletes only its own. Staging's ensure of an id
+    production holds fails naming production's objects; its deprovision and its reaper's listing leave
+    them; production's runner pod runs on, the same pod."""
+    from tests.integration.test_kubernetes_node import node_driver_config, running_runner_pod, wait_for
+
+    caplog.set_level(logging.INFO, logger=LOG.name)
+    ns, core, apps = node_namespace, _core(node_admin), _apps(node_admin)
+    config = node_driver_config(ns, kube_node.kubeconfig_path)
+    production = new_kubernetes_provisioner(replace(config, installation="production"), LOG)
+    staging = new_kubernetes_provisioner(replace(config, installation="staging"), LOG)
+    shared, own, legacy, plain = "wfx_shared", "wfx_staging_own", "wfx_legacy", "wfx_plain"
+    try:
+        await production.ensure("workflow", shared, SandboxEnvironment(f"wfexec:{shared}", TOKEN))
+        pod = await wait_for("production's runner pod", lambda: running_runner_pod(core, ns, shared))
+        await staging.ensure("workflow", own, SandboxEnvironment(f"wfexec:{own}", "tok-staging"))
+        # Beside them, objects of no installation: a Deployment made before installations were
+        # labelled (our other labels, stopped) and a plain one under a sandbox's name (no labels).
+        for sid, labels in (
+            (legacy, {"stigmer.ai/managed-by": "stigmer-server", "stigmer.ai/sandbox-id": legacy}),
+            (plain, {"app": "someone-elses"}),
+        ):
+            manifest = deployment_manifest(config, "workflow", sid, SandboxEnvironment("q"))
+            manifest["metadata"]["labels"] = labels
+            manifest["spec"]["replicas"] = 0
+            apps.create_namespaced_deployment(ns, manifest)
+        base = sandbox_base_name("workflow", shared)
+        held = {
+            sid: _node_objects(node_admin, ns, sandbox_base_name("workflow", sid))
+            for sid in (shared, legacy, plain)
+        }
+
+        assert [m.sandbox_id for m in await production.list_managed()] == [shared]
+        assert [m.sandbox_id for m in await staging.list_managed()] == [own]
+        assert await staging.probe("workflow", shared) == "absent"
+        with pytest.raises(SandboxCollision) as err:
+            await staging.ensure("workflow", shared, SandboxEnvironment(f"wfexec:{shared}", "tok-staging"))
+        assert str(err.value) == (
+            f"kubernetes sandbox name collision: Deployment {ns}/{base} belongs to workflow '{shared}' of "
+            f"installation 'production', not to workflow '{shared}' (both map to the name {base}); the "
+            "Deployment was left untouched"
+        )
+        await staging.deprovision("workflow", shared)
+        left = [
+            r.__dict__["leftAlone"]
+            for r in caplog.records
+            if r.getMessage() == f"kubernetes {LOG_LEFT_ALONE}"
+        ]
+        assert f"Deployment {ns}/{base} (owned by workflow '{shared}' of installation 'production')" in left
+        for sid in (legacy, plain):
+            with pytest.raises(SandboxCollision):
+                await production.ensure("workflow", sid, SandboxEnvironment(f"wfexec:{sid}", TOKEN))
+            assert await production.probe("workflow", sid) == "absent"
+            await production.deprovision("workflow", sid)
+        assert {
+            sid: _node_objects(node_admin, ns, sandbox_base_name("workflow", sid))
+            for sid in (shared, legacy, plain)
+        } == held, "nothing of another installation's, nor of none, was written or deleted"
+        same = running_runner_pod(core, ns, shared)
+        assert same is not None and same.metadata.uid == pod.metadata.uid
+
+        await production.deprovision("workflow", shared)
+        await staging.deprovision("workflow", own)
+        assert await production.list_managed() == [] and await staging.list_managed() == []
+        assert {d.metadata.name for d in apps.list_namespaced_deployment(ns).items} == {
+            sandbox_base_name("workflow", legacy),
+            sandbox_base_name("workflow", plain),
+        }
+    finally:
+        await production.close()
+        await staging.close()
+
+
+def _node_objects(admin: Any, ns: str, base: str) -> dict[str, Any]:
+    """What a writer changes, on a node where controllers write status: uid, generation (a spec write
+    bumps it), labels, deletion, the Secret's data and the replicas."""
+    out = _owned_objects(admin, ns, base)
+    dep = _read_or_none(_apps(admin).read_namespaced_deployment, base, ns)
+    for kind in ("Deployment", "Secret", "PersistentVolumeClaim"):
+        if kind in out:
+            uid, _, labels, deleting = out[kind]
+            out[kind] = (uid, dep.metadata.generation if kind == "Deployment" else None, labels, deleting)
+    return out
