@@ -29,8 +29,9 @@ from drivers.contract import ManagedSandbox, SandboxEnvironment, SandboxScope
 from drivers.docker import new_docker_provisioner
 from drivers.local_process import new_local_process_provisioner
 from drivers.naming import LABEL_SANDBOX_ID, sandbox_base_name
-from events.codec import new_meta
+from events.codec import OUTCOME_TYPES, decode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
+from tests.support.chaos_verify import read_all
 from tests.support.pod_harness import ROOT, PodProcess, produce, read_topic, running_pod, unique_env
 from tests.support.proc_util import runner_pids
 
@@ -254,9 +255,36 @@ def reap_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str
     )
 
 
-async def _reaped(bootstrap: str, topic: str, settle: float = 1.0) -> list[outcomes_pb2.SandboxReaped]:
-    records = await read_topic(bootstrap, topic, settle_s=settle, timeout_s=10)
-    return [r.message for r in records if isinstance(r.message, outcomes_pb2.SandboxReaped)]
+async def _reaped(bootstrap: str, topic: str) -> list[outcomes_pb2.SandboxReaped]:
+    """Every committed ``SandboxReaped`` so far: the topic read up to its end offsets (a broker-side
+    end, so "none" means none was written before the read, not "none arrived within a settle")."""
+    records = await read_all(bootstrap, topic)
+    messages = [
+        decode(r.key, r.value, [(k, v.encode()) for k, v in r.headers.items()], allowed=OUTCOME_TYPES)
+        for r in records
+    ]
+    return [m for m in messages if isinstance(m, outcomes_pb2.SandboxReaped)]
+
+
+async def _older_than(driver: Any, sandbox_id: str, age_s: float, timeout_s: float = 30.0) -> None:
+    """Wait until the driver's own listing dates ``sandbox_id`` more than ``age_s`` in the past."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = {m.sandbox_id: m for m in await driver.list_managed()}
+        created = listed[sandbox_id].created_at if sandbox_id in listed else None
+        if created is not None and time.time() - created > age_s:
+            return
+        assert time.monotonic() < deadline, f"{sandbox_id} not older than {age_s}s: {listed.get(sandbox_id)}"
+        await asyncio.sleep(0.2)
+
+
+async def _until_gone(queues: dict[str, str], timeout_s: float = 15.0) -> list[str]:
+    """The keys whose runner still runs once every runner of ``queues`` is gone, or at the deadline
+    (a removed runner is a child of this process until its watcher reaps it)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := [k for k, q in queues.items() if runner_pids(q)]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return left
 
 
 async def _leave_state_behind(bootstrap: str, env: dict[str, str], ids: dict[str, str]) -> None:
@@ -323,7 +351,7 @@ async def test_reap_cli_with_the_local_process_driver(
         dry = reap_cli(env, "--grace", "3600")
         assert dry.returncode == 0, dry.stderr
         assert "2 to reap, 0 removed" in dry.stdout and "dry run" in dry.stdout, dry.stdout
-        await asyncio.sleep(2.5)
+        await _older_than(driver, ids["orphan"], 2.0)  # past a 2 s grace by the driver's own record
         dry = reap_cli(env, "--grace", "2")
         assert "3 to reap, 0 removed" in dry.stdout, dry.stdout
         assert all(len(runner_pids(q)) == 1 for q in queues.values()), "a dry run changed something"
@@ -332,7 +360,9 @@ async def test_reap_cli_with_the_local_process_driver(
         applied = reap_cli(env, "--apply", "--grace", "2")
         assert applied.returncode == 0, applied.stdout + applied.stderr
         assert "3 removed, 0 failed" in applied.stdout, applied.stdout
-        await asyncio.sleep(0.3)
+        removed = {k: q for k, q in queues.items() if k in ("done", "orphan", "ses_gone")}
+        assert await _until_gone(removed) == []
+        # The reap has exited (nothing else removes runners here): the live ones are still there.
         assert [k for k, q in queues.items() if runner_pids(q)] == ["live", "ses_live"]
         assert foreign.poll() is None, "the reaper touched a process without our record"
         events = await _reaped(kafka_bootstrap, topics.outcomes)
@@ -359,8 +389,9 @@ async def test_reap_cli_with_the_local_process_driver(
 
 @pytest.mark.kafka
 async def test_the_pods_periodic_reaper_removes_an_orphan_and_counts_it(
-    kafka_bootstrap: str, tmp_path: Path, no_leaked_runners: None
+    kafka_bootstrap: str, tmp_path: Path, no_leaked_runners: None, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="sandbox_lanes.reaper")
     env = unique_env(
         kafka_bootstrap, tmp_path, SANDBOX_LANES_REAP_INTERVAL_S="0.5", SANDBOX_LANES_REAP_GRACE_S="1"
     )
@@ -371,14 +402,37 @@ async def test_the_pods_periodic_reaper_removes_an_orphan_and_counts_it(
     async with running_pod(env) as composed:
         await produce(kafka_bootstrap, env, wf_created(live))
         await read_topic(kafka_bootstrap, settings.topics.outcomes, at_least=1)
+        (born,) = [m.created_at for m in await driver.list_managed() if m.sandbox_id == live]
+        assert born is not None
         task = start_periodic_reaper(settings, composed)
         assert task is not None
         deadline = time.monotonic() + 20
         while runner_pids(f"wfexec:{orphan}") and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         assert runner_pids(f"wfexec:{orphan}") == []
-        await asyncio.sleep(2)  # more passes: the live one stays (its state is PENDING)
+        # The live sandbox stays (its state is PENDING). A positive barrier first: a whole pass that
+        # started once the live sandbox was past the 1 s grace (a sandbox without a state that old
+        # is reaped, as the orphan was) and listed it. Passes run one after another, so the second
+        # pass logged after that moment started after it.
+        while (aged := time.time()) - born <= 1.0:
+            await asyncio.sleep(0.05)
+
+        def passes_since() -> list[logging.LogRecord]:
+            return [
+                r
+                for r in caplog.records
+                if r.name == "sandbox_lanes.reaper" and r.getMessage() == "reaper pass" and r.created > aged
+            ]
+
+        deadline = time.monotonic() + 20
+        while len(passes_since()) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        judged = passes_since()
+        assert len(judged) >= 2, caplog.text[-3000:]
         assert len(runner_pids(f"wfexec:{live}")) == 1
+        second = judged[1]
+        counts = tuple(second.__dict__.get(k) for k in ("listed", "removed", "failed"))
+        assert counts == (1, 0, 0), second.__dict__  # the live one listed past grace, and kept
         assert composed.metrics.reaped.labels("local-process")._value.get() == 1
     assert task.done()  # the pod awaited its background task on stop
     events = await _reaped(kafka_bootstrap, settings.topics.outcomes)
@@ -435,7 +489,7 @@ async def test_reap_with_the_docker_driver_never_touches_a_foreign_container(
             return {c.name for c in client.containers.list(all=True)}
 
         assert set(names.values()) | set(foreign_names) <= present()
-        await asyncio.sleep(2.5)
+        await _older_than(driver, ids["orphan"], 2.0)  # past a 2 s grace by the driver's own record
         dry = reap_cli(env, "--grace", "2")
         assert dry.returncode == 0 and "3 to reap, 0 removed" in dry.stdout, dry.stdout + dry.stderr
         assert set(names.values()) | set(foreign_names) <= present()
