@@ -246,7 +246,7 @@ class WarmPool:
                         tolerate=frozenset({404, 409}),
                     )
                     d.logger.info(
-                        "agent-sandbox stale warm pool object deleted", extra={"kind": plural, "name": name}
+                        "agent-sandbox stale warm pool object deleted", extra={"kind": plural, "object": name}
                     )
 
     async def list_ours(self, plural: str, tolerate: frozenset[int] = frozenset()) -> list[dict[str, Any]]:

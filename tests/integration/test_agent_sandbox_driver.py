@@ -10,10 +10,12 @@ the pod's own state.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,8 @@ from drivers.agent_sandbox.driver import (
     AgentSandboxProvisioner,
     new_agent_sandbox_provisioner,
 )
-from drivers.agent_sandbox.manifests import GROUP, PLURAL, VERSION, workspace_claim_name
+from drivers.agent_sandbox.idle import SessionActivity
+from drivers.agent_sandbox.manifests import GROUP, PLURAL, VERSION, sandbox_manifest, workspace_claim_name
 from drivers.contract import SandboxCollision, SandboxEnvironment, SandboxError
 from drivers.kubernetes.manifests import secret_name
 from drivers.naming import sandbox_base_name
@@ -355,9 +358,13 @@ async def test_the_pods_idle_sweep_suspends_an_idle_session_and_the_next_executi
     )
     settings = load_settings(env)
     topics = settings.topics
-    # A Sandbox left behind by someone else's crash: our labels, no execution state.
+    # A Sandbox left behind by a crashed pod of this installation (the pod's, from its group): our
+    # labels, no execution state.
     orphan = f"wfx_as_orphan_{uuid.uuid4().hex[:8]}"
-    leaker = new_agent_sandbox_provisioner(node_driver_config(ns, kube_node.kubeconfig_path), LOG)
+    installation = settings.driver.installation
+    leaker = new_agent_sandbox_provisioner(
+        replace(node_driver_config(ns, kube_node.kubeconfig_path), installation=installation), LOG
+    )
     await leaker.ensure("workflow", orphan, SandboxEnvironment(task_queue=f"wfexec:{orphan}"))
     await leaker.close()
     async with running_pod(env) as composed:
@@ -648,10 +655,9 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         )
         cold = await wait_for("the cold runner", lambda: running_runner_pod(core, ns, missed))
         assert runner_process_env(core, ns, cold.metadata.name)["STIGMER_TOKEN"] == "tok.m"
-        miss_base = sandbox_base_name("workflow", missed)
-        assert miss_base in restarted_driver._locks
+        assert len(restarted_driver._locks) == 0  # a lock lives only while an action holds or awaits it
         await restarted_driver.deprovision("workflow", missed)
-        assert miss_base not in restarted_driver._locks  # no per-name lock outlives its sandbox
+        assert len(restarted_driver._locks) == 0
     finally:
         await driver.close()
         if restarted_driver is not None:
@@ -688,3 +694,142 @@ async def test_a_changed_runner_template_deletes_the_previous_warm_pool_and_temp
     finally:
         await before.close()
         await after.close()
+
+
+class _Idle:
+    """A session reader saying every session it is asked about is idle since long ago."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def activity(self, session_id: str) -> SessionActivity:
+        self.asked.append(session_id)
+        return SessionActivity(busy=False, last_active_at=0.0, executions=1)
+
+
+async def test_two_installations_in_one_namespace_never_touch_each_others_sandboxes_claims_or_pools(
+    kube_node: KubeNode,
+    agent_sandbox: AgentSandboxController,
+    node_admin: Any,
+    node_namespace: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Production and staging in one namespace, on the real controller, with warm pools, beside a
+    session Sandbox without the sandbox-id label and one made before installations were labelled.
+    Each installation's pool is its own (a new runner template replaces only its own pair); the idle
+    sweep suspends only its installation's own idle session Sandboxes; an ensure, probe, deprovision,
+    listing or warm recovery of one never writes, wakes, suspends, claims or deletes the other's."""
+    caplog.set_level(logging.INFO, logger="test.agent_sandbox")
+    core, custom = client.CoreV1Api(node_admin), client.CustomObjectsApi(node_admin)
+    ns = node_namespace
+    ext = ("extensions.agents.x-k8s.io", "v1beta1", ns)
+    base_config = node_driver_config(ns, kube_node.kubeconfig_path, warm_pool_size="1")
+    production = new_agent_sandbox_provisioner(replace(base_config, installation="production"), LOG)
+    staging = new_agent_sandbox_provisioner(replace(base_config, installation="staging"), LOG)
+    renewed: AgentSandboxProvisioner | None = None
+    session, no_id, legacy = (f"ses_inst_{uuid.uuid4().hex[:8]}" for _ in range(3))
+    warm_id = f"wfx_inst_{uuid.uuid4().hex[:8]}"
+    try:
+        # Pools: one pair per installation, labelled with it; a new template replaces only its own.
+        assert production.warm is not None and staging.warm is not None
+        assert production.warm.name != staging.warm.name
+        await production.warm.prepare()
+        await staging.warm.prepare()
+        pools = {
+            p["metadata"]["name"]: p["metadata"]["labels"]["stigmer.ai/installation"]
+            for p in custom.list_namespaced_custom_object(*ext, "sandboxwarmpools")["items"]
+        }
+        assert pools == {production.warm.name: "production", staging.warm.name: "staging"}
+        renewed = new_agent_sandbox_provisioner(
+            replace(
+                node_driver_config(ns, kube_node.kubeconfig_path, warm_pool_size="1", cpu_request="11m"),
+                installation="production",
+            ),
+            LOG,
+        )
+        assert renewed.warm is not None
+        await renewed.warm.prepare()
+        for plural in ("sandboxwarmpools", "sandboxtemplates"):
+            old = production.warm.name
+            await wait_for(
+                f"production's previous {plural} to go",
+                lambda p=plural, o=old: gone(lambda: custom.get_namespaced_custom_object(*ext, p, o)),
+            )
+            kept = custom.get_namespaced_custom_object(*ext, plural, staging.warm.name)
+            assert kept["metadata"]["labels"]["stigmer.ai/installation"] == "staging", "staging's pair stays"
+        await renewed.close()
+        renewed = None
+
+        # Sessions (always cold): production's, and two of no installation's making, all Running.
+        env = SandboxEnvironment(task_queue=f"session:{session}", stigmer_token="tok.production")
+        await production.ensure("session", session, env)
+        for sid, drop in ((no_id, "stigmer.ai/sandbox-id"), (legacy, "stigmer.ai/installation")):
+            manifest = sandbox_manifest(
+                replace(base_config, installation="production"),
+                "session",
+                sid,
+                SandboxEnvironment(f"q:{sid}"),
+            )
+            del manifest["metadata"]["labels"][drop]
+            manifest["spec"]["operatingMode"] = "Running"
+            custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, manifest)
+        names = {sid: sandbox_base_name("session", sid) for sid in (session, no_id, legacy)}
+        held = {sid: _held(core, custom, ns, name) for sid, name in names.items() if sid == session}
+
+        # Staging meets production's session under its name: refused, nothing written or woken.
+        with pytest.raises(SandboxCollision) as err:
+            await staging.ensure("session", session, SandboxEnvironment(f"session:{session}", "tok.staging"))
+        assert f"belongs to session '{session}' of installation 'production'" in str(err.value)
+        assert await staging.probe("session", session) == "absent"
+        await staging.deprovision("session", session)
+        assert {m.sandbox_id for m in await staging.list_managed()} == set()
+        assert {m.sandbox_id for m in await production.list_managed()} == {session}
+
+        # The idle sweeps, with every session idle for ever: staging's suspends nothing of
+        # production's; production's suspends its own session only, never one without the sandbox-id
+        # label or without an installation.
+        idle = _Idle()
+        assert await staging.sweep_once(idle) == 0 and idle.asked == []
+        assert _held(core, custom, ns, names[session]) == held[session]
+        production._clock = lambda: time.time() + 3600  # its own ensure is an hour old
+        assert await production.sweep_once(idle) == 1
+        assert idle.asked == [session]
+        modes = {sid: _sandbox(custom, ns, name)["spec"]["operatingMode"] for sid, name in names.items()}
+        assert modes == {session: "Suspended", no_id: "Running", legacy: "Running"}
+        for sid in (no_id, legacy):
+            with pytest.raises(SandboxCollision):
+                await production.ensure("session", sid, SandboxEnvironment(f"session:{sid}"))
+            await production.deprovision("session", sid)
+            assert not _sandbox(custom, ns, names[sid])["metadata"].get("deletionTimestamp")
+
+        # Warm claims: staging's claim is never claimed, recovered, nor deleted by production.
+        await staging.ensure("workflow", warm_id, SandboxEnvironment(f"wfexec:{warm_id}", "tok.warm.staging"))
+        warm_base = sandbox_base_name("workflow", warm_id)
+        claim_uid = _claim(custom, ns, warm_base)["metadata"]["uid"]
+        with pytest.raises(SandboxCollision, match=r"SandboxClaim .* of installation 'staging'"):
+            await production.ensure("workflow", warm_id, SandboxEnvironment(f"wfexec:{warm_id}", "tok.p"))
+        assert await production.warm.recover() == 0
+        assert await production.probe("workflow", warm_id) == "absent"
+        await production.deprovision("workflow", warm_id)
+        await staging.warm.settled()
+        claim = _claim(custom, ns, warm_base)
+        assert claim["metadata"]["uid"] == claim_uid and not claim["metadata"].get("deletionTimestamp")
+        assert (
+            core.read_namespaced_secret(secret_name(warm_base), ns).metadata.labels["stigmer.ai/installation"]
+            == "staging"
+        )
+        assert {m.sandbox_id for m in await staging.list_managed()} == {warm_id}
+        assert {m.sandbox_id for m in await production.list_managed()} == {session}
+        assert len(production._locks) == 0 and len(staging._locks) == 0
+    finally:
+        for driver in (production, staging):
+            for m in await driver.list_managed():
+                await driver.deprovision(m.scope, m.sandbox_id)
+            await driver.close()
+        if renewed is not None:
+            await renewed.close()
+        for sid in (no_id, legacy):
+            with contextlib.suppress(Exception):
+                custom.delete_namespaced_custom_object(
+                    GROUP, VERSION, ns, PLURAL, sandbox_base_name("session", sid)
+                )
