@@ -14,6 +14,7 @@ import pytest
 from harness.dockerd import Dockerd
 
 from drivers.contract import (
+    DEFAULT_INSTALLATION,
     DriverConfig,
     SandboxCollision,
     SandboxEnvironment,
@@ -28,11 +29,13 @@ from drivers.docker import (
     new_docker_provisioner,
 )
 from drivers.naming import (
+    LABEL_INSTALLATION,
     LABEL_MANAGED_BY,
     LABEL_SANDBOX_ID,
     LABEL_SCOPE,
     MANAGED_BY_VALUE,
     sandbox_base_name,
+    sandbox_labels,
 )
 from tests.support.collisions import FIRST, SECOND, assert_collide
 
@@ -159,6 +162,7 @@ async def test_provisions_a_labeled_hardened_container_probes_and_tears_down(
     assert attrs["Name"] == f"/{name}"
     assert attrs["Config"]["Labels"] == {
         LABEL_MANAGED_BY: MANAGED_BY_VALUE,
+        LABEL_INSTALLATION: "sandbox-lanes",  # the default installation (the default consumer group)
         LABEL_SCOPE: "session",
         LABEL_SANDBOX_ID: "ses_docker_1",
     }
@@ -290,7 +294,7 @@ async def test_a_stopped_container_of_ours_is_adopted_and_started(
     """E.g. an earlier create whose start failed, or a concurrent ensure mid-way."""
     caplog.set_level(logging.DEBUG, logger=LOGGER.name)
     name = sandbox_base_name("session", "ses_adopt")
-    labels = {LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_SCOPE: "session", LABEL_SANDBOX_ID: "ses_adopt"}
+    labels = sandbox_labels("session", "ses_adopt", DEFAULT_INSTALLATION)
     existing = await asyncio.to_thread(_precreate, client, docker_image, name, labels)
     p = make()
     assert await p.probe("session", "ses_adopt") == "stopped"
@@ -542,3 +546,78 @@ async def test_colliding_ids_never_touch_each_others_container(
     assert (await executor.run(Deprovision("workflow", FIRST, 0))).ok
     assert await p.probe("workflow", FIRST) == "absent"
     assert await p.list_managed() == []
+
+
+async def test_two_installations_on_one_engine_never_touch_each_others_containers(
+    dockerd: Dockerd, docker_image: str, client: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Production and staging on one Docker engine, beside a container made before installations were
+    labelled (our other labels) and a plain one under a sandbox's name: each installation lists,
+    probes, starts and removes only its own; staging's ensure of an id production runs fails naming
+    production's container, which runs on, never restarted."""
+    from dataclasses import replace
+
+    caplog.set_level(logging.INFO, logger=LOGGER.name)
+    await asyncio.to_thread(_remove_all, client)
+    options = {"docker_host": dockerd.socket_url, "image": docker_image, "network": "none"}
+    production = new_docker_provisioner(replace(_config(**options), installation="production"), LOGGER)
+    staging = new_docker_provisioner(replace(_config(**options), installation="staging"), LOGGER)
+    shared, legacy, plain = "wfx_dk_shared", "wfx_dk_legacy", "wfx_dk_plain"
+    try:
+        await production.ensure("workflow", shared, _env(f"wfexec:{shared}"))
+        await staging.ensure("workflow", "wfx_dk_staging", _env("wfexec:wfx_dk_staging", token="tok-staging"))
+        for sid, labels in (
+            (legacy, {LABEL_MANAGED_BY: MANAGED_BY_VALUE, LABEL_SCOPE: "workflow", LABEL_SANDBOX_ID: legacy}),
+            (plain, {"app": "someone-elses"}),
+        ):
+            await asyncio.to_thread(
+                client.containers.run,
+                docker_image,
+                ["sleep", "3600"],
+                name=sandbox_base_name("workflow", sid),
+                labels=labels,
+                detach=True,
+                network_mode="none",
+                entrypoint=[],
+            )
+        names = {sid: sandbox_base_name("workflow", sid) for sid in (shared, legacy, plain)}
+        before = {sid: await asyncio.to_thread(_inspect, client, name) for sid, name in names.items()}
+        assert before[shared]["Config"]["Labels"][LABEL_INSTALLATION] == "production"
+
+        assert [m.sandbox_id for m in await production.list_managed()] == [shared]
+        assert [m.sandbox_id for m in await staging.list_managed()] == ["wfx_dk_staging"]
+        assert await staging.probe("workflow", shared) == "absent"
+        with pytest.raises(SandboxCollision) as err:
+            await staging.ensure("workflow", shared, _env(f"wfexec:{shared}", token="tok-staging"))
+        assert f"belongs to workflow '{shared}' of installation 'production'" in str(err.value)
+        await staging.deprovision("workflow", shared)
+        left = _messages(caplog, LOG_LEFT_ALONE)
+        assert [(r.__dict__["ownerId"], r.__dict__["ownerInstallation"]) for r in left] == [
+            (shared, "production")
+        ]
+        with pytest.raises(SandboxCollision, match="of no installation"):
+            await production.ensure("workflow", legacy, _env(f"wfexec:{legacy}"))
+        with pytest.raises(SandboxError, match="refusing to use or remove it"):
+            await production.ensure("workflow", plain, _env(f"wfexec:{plain}"))
+        assert await production.probe("workflow", legacy) == "absent"
+        await production.deprovision("workflow", legacy)
+        with pytest.raises(SandboxError, match="refusing to use or remove it"):
+            await production.deprovision("workflow", plain)
+        for sid, name in names.items():
+            after = await asyncio.to_thread(_inspect, client, name)
+            assert (after["Id"], after["State"]["Running"], after["State"]["StartedAt"]) == (
+                before[sid]["Id"],
+                True,
+                before[sid]["State"]["StartedAt"],
+            ), sid
+            assert after["Config"]["Labels"] == before[sid]["Config"]["Labels"]
+        await production.deprovision("workflow", shared)
+        await staging.deprovision("workflow", "wfx_dk_staging")
+        assert await production.list_managed() == [] and await staging.list_managed() == []
+        left_running = {c.name for c in await asyncio.to_thread(client.containers.list, all=True)}
+        assert left_running == {names[legacy], names[plain]}
+        assert len(production._locks) == 0 and len(staging._locks) == 0
+    finally:
+        await asyncio.to_thread(_remove_all, client)
+        await production.close()
+        await staging.close()
