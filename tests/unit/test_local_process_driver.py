@@ -365,7 +365,10 @@ async def test_a_runner_another_pod_spawned_but_never_recorded_is_adopted_not_do
     # An unrecorded runner met first by a deprovision is ended as well.
     again = _runner_of_another_pod(workspace)
     try:
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while again.pid not in _starts(p, "workflow", "wfx_lp_orphan"):  # the runner is up
+            assert time.monotonic() < deadline, "the unrecorded runner never started"
+            await asyncio.sleep(0.02)
         await p.deprovision("workflow", "wfx_lp_orphan")
         assert again.wait(10) is not None
     finally:
