@@ -330,12 +330,14 @@ class Pod:
             return
         self._start_take_over(assigned)
 
-    def _start_take_over(self, assigned: set[TopicPartition], delay_s: float = 0.0) -> None:
+    def _start_take_over(
+        self, assigned: set[TopicPartition], delay_s: float = 0.0, *, again: bool = False
+    ) -> None:
         assert self._consumer is not None
         with contextlib.suppress(Exception):  # a partition revoked meanwhile: its take-over is moot
             self._consumer.pause(*assigned)
         self._restoring = True
-        task = asyncio.get_running_loop().create_task(self.take_over(assigned, delay_s))
+        task = asyncio.get_running_loop().create_task(self.take_over(assigned, delay_s, again=again))
         self._taking_over.add(task)
         task.add_done_callback(self._taking_over.discard)
 
@@ -348,13 +350,18 @@ class Pod:
         async with self._batch_lock:
             await self._forget(partitions, "released")
 
-    async def take_over(self, assigned: set[TopicPartition], delay_s: float = 0.0) -> None:
+    async def take_over(
+        self, assigned: set[TopicPartition], delay_s: float = 0.0, *, again: bool = False
+    ) -> None:
         """Assigned: fence the previous writer, read the offsets it left, restore, resume its outbox.
 
         A take-over that fails (the broker, a coordinator moving) forgets what it did and is tried
         again with backoff while the partitions stay assigned here; a rebalance cancels it.
+        ``again``: not the group's fresh assignment but the pod's own decision (an abandoned
+        producer, a failed take-over): it first waits out the stall guard's hold, so a pod that
+        stood still past its session timeout hears from the group (and is revoked) before it could
+        fence the partitions' new owner, and it goes on only with what is still assigned to it.
         """
-        partitions = {tp.partition for tp in assigned}
         self._restoring = True  # taking over is part of the recovery: not ready until restored
         retry_in: float | None = None
         try:
@@ -363,6 +370,14 @@ class Pod:
                 return  # stopping: nothing to take over
         except TimeoutError:
             pass
+        if again:
+            await self.stall_guard.clear()
+            assert self._consumer is not None
+            assigned = {tp for tp in assigned if tp in self._consumer.assignment()}
+            if not assigned or self._stop.is_set():
+                self._restoring = False
+                return
+        partitions = {tp.partition for tp in assigned}
         try:
             await self._take_over(assigned, partitions)
             self._take_over_episode.recovered()
@@ -375,7 +390,7 @@ class Pod:
         if retry_in is not None and self._consumer is not None and not self._stop.is_set():
             still = {tp for tp in assigned if tp in self._consumer.assignment()}
             if still:
-                self._start_take_over(still, retry_in)
+                self._start_take_over(still, retry_in, again=True)
             return
         if self._consumer is not None:
             self._apply_backpressure()  # resumes what is owned (unless throttled or stopping)
@@ -948,4 +963,4 @@ class Pod:
         tps = {tp for tp in self._consumer.assignment() if tp.partition == partition}
         await self._forget({partition}, "abandoned", error=error)
         if tps and not self._stop.is_set():
-            self._start_take_over(tps)
+            self._start_take_over(tps, again=True)

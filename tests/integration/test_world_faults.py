@@ -20,12 +20,13 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
+from confluent_kafka import Producer
 
 from consumers.ops.settings import load_settings
 from consumers.tools.replay.command import lane_config
 from consumers.tools.replay.derive import replay
 from events.codec import encode
-from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2
+from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
 from tests.support.pod_harness import (
     create_inputs,
     read_topic,
@@ -247,3 +248,73 @@ async def test_a_producer_clock_running_ahead_cannot_make_later_phase_changes_st
     )
     assert report.divergences == [], [d.as_dict() for d in report.divergences]
     assert report.matched_dead_letters == report.recorded_dead_letters == 1
+
+
+@pytest.mark.timeout(240)
+async def test_a_fence_of_one_partition_amid_the_others_commits_harms_none(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """Partitions' writers are fenced one after another (a real InitProducerId on each transactional
+    id, by librdkafka) while a steady stream keeps all four partitions' transactions going in the
+    same turns. The pod stands a fenced partition down and rejoins between turns (it used to
+    re-subscribe inside the turn, and another partition's commit then asked the highwater of a
+    partition no longer assigned: the loop died); every execution still gets its outcomes exactly
+    once."""
+    env = unique_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_PROVISIONER_TYPE="memory",
+        SANDBOX_LANES_PARTITIONS="4",
+    )
+    await create_inputs(env)
+    settings = load_settings(env)
+    topics = settings.topics
+    executions = [f"wf-fence-{uuid.uuid4().hex[:6]}-{i}" for i in range(240)]
+    producer = await _producer(kafka_bootstrap, linger_ms=0)
+    try:
+        async with running_pod(env) as composed:
+            pod = composed.pod
+
+            async def stream(ids: list[str]) -> None:
+                for execution_id in ids:
+                    for event in (wf_created(execution_id), wf_terminal(execution_id)):
+                        record = encode(event)
+                        topic = (
+                            topics.execution_created
+                            if isinstance(event, inputs_pb2.ExecutionCreated)
+                            else topics.phase_changed
+                        )
+                        await producer.send_and_wait(
+                            topic, record.value, key=record.key, headers=record.headers
+                        )
+                    await asyncio.sleep(0.02)  # pacing: a steady stream, several turns
+
+            feeding = asyncio.create_task(stream(executions))
+            # The partitions have committed work before the first fence lands mid-stream.
+            while pod.stats.batches < 6:
+                await asyncio.sleep(0.05)
+            fencer = Producer(
+                {"bootstrap.servers": kafka_bootstrap, "transactional.id": f"{settings.group_id}-p0"}
+            )
+            await asyncio.to_thread(fencer.init_transactions, 30)
+            await feeding
+            outcomes: dict[str, list[str]] = {}
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                outcomes = {}
+                for r in await read_topic(kafka_bootstrap, topics.outcomes, settle_s=0.2, timeout_s=5):
+                    execution_id = getattr(r.message, "execution_id", None)
+                    if execution_id in executions:
+                        outcomes.setdefault(execution_id, []).append(type(r.message).__name__)
+                if len(outcomes) == len(executions) and all(len(v) >= 2 for v in outcomes.values()):
+                    break
+                await asyncio.sleep(0.5)
+            assert pod.health().alive, pod.health()
+            fenced = pod.stats.commit_failures
+        assert outcomes == {e: ["SandboxProvisioned", "SandboxDeprovisioned"] for e in executions}, {
+            e: v for e, v in outcomes.items() if v != ["SandboxProvisioned", "SandboxDeprovisioned"]
+        }
+        assert fenced >= 1  # the fence did land on a transaction of partition 0
+        assert await _dead_letters(kafka_bootstrap, env) == []
+    finally:
+        await producer.stop()
