@@ -10,8 +10,10 @@ dropped, network ``none`` unless configured, optional read-only root.
 
 The SDK is blocking; every engine call runs in a worker thread.
 
-Ownership: names are 48 bits of sha256, so two ids can share one. Every call checks the container's
-labels first; another sandbox's container fails the ensure with
+Ownership: names are 48 bits of sha256, so two ids can share one, and two installations can share an
+engine. Every call checks the container's labels first (``sandbox-id``, ``scope`` and
+``installation``), and acts on the container by its id; another sandbox's container (another id's or
+installation's) fails the ensure with
 :class:`~drivers.contract.SandboxCollision` (naming the container and its owner's id), is left alone
 by a deprovision (logged, ``LOG_LEFT_ALONE``) and probes ``absent``; a container carrying none of
 our labels is refused with a ``SandboxError``.

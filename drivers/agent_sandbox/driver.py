@@ -15,20 +15,24 @@ ensure, serialized per name (one lock per Sandbox name in this process):
 * a create answered 409 (another server's ensure won the race) re-reads and takes that arm;
 * each ensure logs ``agent-sandbox sandbox ensured`` with ``arm`` = created, suspended or running.
 
-deprovision deletes the Sandbox in the foreground (404 = success); the garbage collector takes the
-Secret, the pod and the claim with it. probe: absent (missing or being deleted), running
+deprovision, under the same lock, deletes the Sandbox in the foreground (404 = success); the garbage
+collector takes the Secret, the pod and the claim with it. probe: absent (missing or being deleted), running
 (operatingMode Running or unset), else stopped.
 
-Ownership (two ids can share a name: 48 bits of sha256): the Sandbox, the claim and the Secret each
-carry the ``stigmer.ai/sandbox-id`` label, and the driver reads it before it writes a token into the
-Secret, wakes a Sandbox (the wake patch also tests the label, so a replacement in between is not
-woken), hands a claim its secrets, or deletes a Sandbox or claim (by uid precondition). Another
+Ownership (two ids can share a name: 48 bits of sha256; two installations can share a namespace):
+the Sandbox, the claim and the Secret each carry the ``stigmer.ai/sandbox-id`` and
+``stigmer.ai/installation`` labels, and the driver reads them before it writes a token into the
+Secret (created when absent, else a JSON Patch testing uid and labels), wakes a Sandbox (the wake
+patch tests the uid and labels, so a replacement in between is not woken: the ensure judges again),
+hands a claim its secrets, or deletes a Sandbox or claim (by uid precondition). Another
 sandbox's object fails the ensure with :class:`~drivers.contract.SandboxCollision` naming it and its
 owner, and is never written; a deprovision leaves it alone and logs it (``LOG_LEFT_ALONE``); a probe
 reports it ``absent``.
 
-The idle sweep (``start_background``) suspends Running session Sandboxes idle for the window
-(``drivers.agent_sandbox.idle``), every interval. It never deletes. The session's activity comes
+The idle sweep (``start_background``) suspends Running session Sandboxes of this installation idle
+for the window (``drivers.agent_sandbox.idle``), every interval. It never deletes; a Sandbox without
+the ``sandbox-id`` label is never a candidate, and the suspend patch tests the uid, labels and
+resourceVersion of the fresh read it judged. The session's activity comes
 from the pod's own state (``SessionActivityReader``); a session this pod does not own is left to
 the pod that does.
 

@@ -20,41 +20,36 @@ absent → Secret, PVC, Deployment (in that order); 0 → scale to 1 through the
 token it booted with). ``deprovision`` deletes Deployment, Secret, PVC; a 404 is
 success. No readiness wait anywhere.
 
-Ownership (names are 48 bits of sha256, so two ids can share one): every object carries the
-``stigmer.ai/sandbox-id`` label, and the driver reads it before it acts on an object it found under
-the sandbox's name: the Deployment before the fast path or the scale-up, the Secret before writing
-it, the claim when its create answers 409, and each of the three before deleting it. Another
-sandbox's object fails the ensure with :class:`~drivers.contract.SandboxCollision` (naming the
-object and its owner's id) and is never written; a deprovision leaves it alone and logs which
-object it left (``LOG_LEFT_ALONE``). Deletes carry the checked object's uid as a precondition, so a
-replacement created in between is never deleted. The Secret's labels are read without the ``get``
-verb and without its data: a dry-run JSON Patch (a lone ``test`` op) answered as
-``PartialObjectMetadata``; the claim's with ``get`` (the Role grants it for claims).
+Ownership (names are 48 bits of sha256, so two ids can share one; two installations can share a
+namespace): every object carries the ``stigmer.ai/sandbox-id`` and ``stigmer.ai/installation``
+labels, and the driver reads them before it acts on an object it found under the sandbox's name:
+the Deployment before the fast path or the scale-up, the Secret before writing it, the claim when its
+create answers 409, and each of the three before deleting it. Another sandbox's object (another id's,
+another installation's, or one without the labels) fails the ensure with
+:class:`~drivers.contract.SandboxCollision` (naming the object, its owner's id and installation) and
+is never written; a deprovision leaves it alone and logs which object it left (``LOG_LEFT_ALONE``).
+The Secret's labels are read without the ``get`` verb and without its data: a dry-run JSON Patch (a
+lone ``test`` op) answered as ``PartialObjectMetadata``; the claim's with ``get``.
 
-How objects are written — decision (differs from upstream on purpose):
+How objects are written — every write is conditional on what was checked (issue 34):
 
-* Secret and Deployment use **server-side apply** (``PATCH`` with content type
-  ``application/apply-patch+yaml``, ``fieldManager=sandbox-lanes``, ``force=true``).
-  The client's typed ``patch_*`` methods take ``_content_type`` (checked against
-  ``kubernetes`` 37), so no raw ``call_api`` is needed. Apply is one round trip,
-  creates or updates alike, is idempotent under racing ensures (two identical
-  applies both succeed; create-then-replace races into 409s), and leaves fields other
-  managers own alone. Upstream creates and replaces on 409.
-* The Secret is applied with base64 ``data`` rather than ``stringData``: apply tracks
-  ownership of ``data`` keys, but ``stringData`` is write-only and never owned, so a
-  key dropped from a later apply (say a token-less repair) would otherwise survive
-  with its stale value.
-* The PVC is **created, and kept on 409** (exactly upstream): a claim is never
-  replaced, the surviving workspace is the point of the repair arm, and claim specs
-  are largely immutable anyway.
-* Scaling uses a merge patch of the ``scale`` subresource (upstream reads and
-  replaces it, only because its client's patch defaulted to JSON-Patch).
-* Deployments are deleted with ``propagationPolicy=Background``.
+* An absent object is **created** (Secret, claim, Deployment), never applied: a create cannot take
+  over an object made in between. Its 409 is judged again: this sandbox's (a racing ensure of the
+  same id) is taken as it is; another's is a ``SandboxCollision``, and the Secret and claim this
+  ensure created are deleted again by uid. So two colliding ids that both found nothing end with one
+  owner and one collision.
+* An existing Secret of this sandbox is rewritten by one **JSON Patch** that tests its uid,
+  ``sandbox-id`` and ``installation`` and replaces the whole ``data`` (a key dropped since, say a
+  token-less repair, goes). The scale-up is a JSON Patch of the Deployment with the same tests.
+  A failed test (a 422 without causes: the object changed since the read) makes the ensure read and
+  judge again, up to ``WRITE_ATTEMPTS`` times.
+* The PVC is **created, and kept on 409** when it is this sandbox's (exactly upstream): a claim is
+  never replaced, the surviving workspace is the point of the repair arm.
+* Deletes carry the checked object's uid as a precondition, so a replacement created in between is
+  never deleted; Deployments are deleted with ``propagationPolicy=Background``.
 
 RBAC verbs the driver needs (see ``compose/kubernetes/overlays/kubernetes/role.yaml``): deployments
-get/list/create/patch/delete, deployments/scale patch, secrets create/patch/delete,
-persistentvolumeclaims get/create/delete. (Apply that creates an object is authorized
-as both ``patch`` and ``create``.)
+get/list/create/patch/delete, secrets create/patch/delete, persistentvolumeclaims get/create/delete.
 
 Every API failure becomes :class:`~drivers.contract.SandboxError` carrying the API
 server's own ``message`` (for example ``... is forbidden: User ... cannot ...`` or
