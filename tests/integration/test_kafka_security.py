@@ -229,6 +229,43 @@ async def test_a_missing_acl_is_an_authorization_error_naming_the_resource(
     assert code == 0
 
 
+async def test_a_read_acl_revoked_on_an_input_is_waited_out_not_an_exit(
+    secured_kafka: Any, tmp_path: Path
+) -> None:
+    """A failure of the world on the fetch path (an operator's ACL change here): the pod does not
+    exit or drop anything; it logs the episode once, keeps trying, and goes on when Read returns."""
+    user = f"sl-revoked-{RUN}"
+    _, env, settings = await pod_deployment(secured_kafka, tmp_path, user)
+    topics = settings.topics
+    principal = f"User:{user}"
+    for args in pod_acls(principal, topics, settings.group_id):
+        secured_kafka.kafka_acls(*args)
+    wf = f"wfx_revoked_{RUN}"
+    pod = PodProcess(env, tmp_path / "pod.log")
+    pod.start()
+    try:
+        await pod.wait_for_log("state restored")
+        auth = admin_auth(secured_kafka)
+        await produce(secured_kafka.sasl_ssl_bootstrap, env, wf_created(wf), options=auth)
+        await outcomes_as_admin(secured_kafka, topics.outcomes, 1)
+        revoke = ("--allow-principal", principal, "--operation", "Read", "--topic", topics.phase_changed)
+        secured_kafka.kafka_acls("--remove", "--force", *revoke)
+        await produce(secured_kafka.sasl_ssl_bootstrap, env, wf_terminal(wf), options=auth)
+        await pod.wait_for_log("the pod's loop failed; retrying with backoff until it succeeds", timeout_s=60)
+        assert pod.proc is not None and pod.proc.poll() is None, pod.log()[-3000:]
+        secured_kafka.kafka_acls("--add", *revoke)
+        outcomes = await outcomes_as_admin(secured_kafka, topics.outcomes, 2, timeout_s=90)
+        await pod.wait_for_log("the pod's loop recovered", timeout_s=30)
+    finally:
+        code, _ = await asyncio.to_thread(pod.terminate)
+    assert [type(o) for o in outcomes] == [outcomes_pb2.SandboxProvisioned, outcomes_pb2.SandboxDeprovisioned]
+    log = pod.log()
+    assert "TopicAuthorization" in log, log[-3000:]
+    # Once per episode, not once per retry.
+    assert log.count("the pod's loop failed; retrying") == 1, log[-3000:]
+    assert code == 0, log[-3000:]
+
+
 @pytest.mark.parametrize("fault", ["wrong password", "untrusted CA", "expired client certificate"])
 async def test_a_connection_the_broker_refuses_fails_fast_with_a_clear_error(
     secured_kafka: Any, tmp_path: Path, fault: str

@@ -83,16 +83,27 @@ def test_everything_else_is_the_world(exc: BaseException) -> None:
 
 def test_an_episode_logs_its_start_and_its_end_once_and_backs_off(caplog: pytest.LogCaptureFixture) -> None:
     log = logging.getLogger("test.episode")
-    episode = Episode("fetching", log, first_delay_s=0.1, max_delay_s=1.0)
+    now = [100.0]
+    episode = Episode(
+        "fetching", log, first_delay_s=0.1, max_delay_s=1.0, settle_s=10.0, clock=lambda: now[0]
+    )
     with caplog.at_level(logging.INFO, logger="test.episode"):
         delays = [episode.failed(KafkaConnectionError(f"down {i}")) for i in range(6)]
-        episode.recovered()
+        episode.recovered()  # a success: the backoff starts over, the episode is not over yet
+        now[0] += 3.0
+        assert episode.failed(KafkaConnectionError("down again")) == 0.1
+        now[0] += 9.9
+        episode.recovered()  # 9.9 s without a failure: still the same episode
+        now[0] += 0.1
+        episode.recovered()  # 10 s: it ends, logged once
         episode.recovered()  # no episode: nothing logged
     assert delays == [0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["fetching failed; retrying with backoff until it succeeds", "fetching recovered"]
     assert caplog.records[0].error == "KafkaConnectionError: down 0"  # type: ignore[attr-defined]
-    assert caplog.records[1].attempts == 6  # type: ignore[attr-defined]
+    assert caplog.records[1].attempts == 7  # type: ignore[attr-defined]
+    assert caplog.records[1].seconds == 3.0  # type: ignore[attr-defined]
+    assert not episode.ongoing
     assert episode.failed(KafkaConnectionError("again")) == 0.1  # a new episode starts over
 
 
