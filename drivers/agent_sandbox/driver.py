@@ -549,24 +549,31 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
             activity = sessions.activity(session_id)
             if activity is None:
                 return False  # another pod owns the session's partition: it judges
-            fresh = await self.read_sandbox(view.name)  # a full re-read before suspending
-            if fresh is None:
-                return False
-            now = self.found(fresh, "Sandbox")
-            if now.uid != listed.uid or not self.owns(now, "session", session_id):
-                return False  # replaced or relabelled since the listing: not the Sandbox judged
-            now_view = _view(fresh)
-            if not should_suspend(
-                self._clock(), self.idle.suspend_after_s, now_view, activity, self.last_ensured.get(view.name)
-            ):
-                return False
-            # The patch tests what was judged: this uid, still this session's and installation's, at the
-            # resourceVersion read (an ensure of another pod that woke it in between: not suspended).
-            guard = [
-                *self.guard(now, session_id),
-                {"op": "test", "path": "/metadata/resourceVersion", "value": now.resource_version},
-            ]
-            if not await self._patch(now, [*guard, *SUSPEND_PATCH], None):
+            for _ in range(WRITE_ATTEMPTS):
+                fresh = await self.read_sandbox(view.name)  # a full re-read before suspending
+                if fresh is None:
+                    return False
+                now = self.found(fresh, "Sandbox")
+                if now.uid != listed.uid or not self.owns(now, "session", session_id):
+                    return False  # replaced or relabelled since the listing: not the Sandbox judged
+                if not should_suspend(
+                    self._clock(),
+                    self.idle.suspend_after_s,
+                    _view(fresh),
+                    activity,
+                    self.last_ensured.get(view.name),
+                ):
+                    return False
+                # The patch tests what was judged: this uid, still this session's and installation's, at
+                # the resourceVersion read (another pod's ensure that woke it in between: not suspended;
+                # the controller's status write in between: read and judged again).
+                guard = [
+                    *self.guard(now, session_id),
+                    {"op": "test", "path": "/metadata/resourceVersion", "value": now.resource_version},
+                ]
+                if await self._patch(now, [*guard, *SUSPEND_PATCH], None):
+                    break
+            else:
                 return False
         if activity.executions == 0:
             self._logger.error(

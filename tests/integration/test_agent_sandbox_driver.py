@@ -131,9 +131,19 @@ async def test_the_ensure_arms_on_the_real_controller_keep_the_session_workspace
     assert await as_driver.probe("session", session) == "running"
 
     # Running: only the Secret is rewritten; the pod keeps running with the token it booted with.
+    # The Sandbox's spec is untouched (same generation) and the controller has reconciled that
+    # generation, so no replacement of the pod is under way when it is checked.
+    generation = sandbox["metadata"]["generation"]
     second = SandboxEnvironment(task_queue=f"session:{session}", stigmer_token="tok.second.value")
     assert await as_driver.ensure("session", session, second) == "running"
-    await asyncio.sleep(1)
+    assert _sandbox(custom, ns, base)["metadata"]["generation"] == generation
+    await wait_for(
+        "the controller to have reconciled the Sandbox's generation",
+        lambda: any(
+            c.get("observedGeneration") == generation
+            for c in (_sandbox(custom, ns, base).get("status") or {}).get("conditions") or []
+        ),
+    )
     same = running_runner_pod(core, ns, session)
     assert same is not None and same.metadata.uid == pod.metadata.uid
     assert env_inside(core, ns, same.metadata.name)["STIGMER_TOKEN"] == "tok.first.value"
@@ -180,9 +190,24 @@ async def test_a_sandbox_being_deleted_is_waited_out_then_created_again(
     custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, base)
     assert await as_driver.probe("workflow", execution) == "absent"  # being deleted counts as absent
     as_driver.delete_poll_seconds = 0.2
+    # Count the driver's reads that found the Sandbox still being deleted: the ensure is known to
+    # be waiting once it has read it so twice (it polls), and then must not have returned.
+    read_sandbox, deleting_reads = as_driver.read_sandbox, [0]
+
+    async def counted_read(name: str) -> dict[str, Any] | None:
+        obj = await read_sandbox(name)
+        if obj is not None and (obj.get("metadata") or {}).get("deletionTimestamp"):
+            deleting_reads[0] += 1
+        return obj
+
+    as_driver.read_sandbox = counted_read  # type: ignore[method-assign]
     ensuring = asyncio.create_task(as_driver.ensure("workflow", execution, env))
-    await asyncio.sleep(1.0)
+    deadline = time.monotonic() + 30
+    while deleting_reads[0] < 2 and not ensuring.done():
+        assert time.monotonic() < deadline, "the ensure never read the Sandbox being deleted twice"
+        await asyncio.sleep(0.05)
     assert not ensuring.done(), "the ensure did not wait for the deletion"
+    as_driver.read_sandbox = read_sandbox  # type: ignore[method-assign]
     _json_patch(custom, ns, base, [{"op": "remove", "path": "/metadata/finalizers"}])
     assert await asyncio.wait_for(ensuring, 60) == "running"
     again = _sandbox(custom, ns, base)
@@ -368,10 +393,24 @@ async def test_the_pods_idle_sweep_suspends_an_idle_session_and_the_next_executi
     await leaker.ensure("workflow", orphan, SandboxEnvironment(task_queue=f"wfexec:{orphan}"))
     await leaker.close()
     async with running_pod(env) as composed:
+        # When each idle-sweep pass started and ended (the driver's own sweep, counted here).
+        driver: Any = composed.provisioner
+        sweep_once, sweeps = driver.sweep_once, []
+
+        async def counted_sweep(*args: Any, **kwargs: Any) -> int:
+            started = time.monotonic()
+            try:
+                suspended: int = await sweep_once(*args, **kwargs)
+                return suspended
+            finally:
+                sweeps.append((started, time.monotonic()))
+
+        driver.sweep_once = counted_sweep
         assert start_driver_background(composed) is not None
         first = f"axr_idle_{uuid.uuid4().hex[:8]}"
         await produce(kafka_bootstrap, env, agent_created(first, session))
         (provisioned,) = await read_topic(kafka_bootstrap, topics.outcomes, at_least=1)
+        provisioned_at = time.monotonic()
         assert isinstance(provisioned.message, outcomes_pb2.SandboxProvisioned), provisioned.message
         assert provisioned.message.sandbox.driver == "agent-sandbox"
         pod = await wait_for("the session's runner pod", lambda: running_runner_pod(core, ns, session))
@@ -385,8 +424,14 @@ async def test_the_pods_idle_sweep_suspends_an_idle_session_and_the_next_executi
             "the reaper to remove the orphan", lambda: gone(lambda: _sandbox(custom, ns, orphan_base))
         )
 
-        # Busy: the execution runs, so the sweep leaves the session alone past the window.
-        await asyncio.sleep(5)
+        # Busy: the execution runs, so the sweep leaves the session alone past the window. A
+        # positive barrier first: a whole sweep pass that started once the 3 s window since the
+        # session's last activity (at the latest, its provisioning) had passed, and one more.
+        window_over = provisioned_at + 3 + 0.5
+        await wait_for(
+            "two sweep passes started past the idle window",
+            lambda: sum(1 for started, _ in sweeps if started > window_over) >= 2,
+        )
         assert _sandbox(custom, ns, base)["spec"]["operatingMode"] == "Running"
 
         # Idle: the execution completed; after the window the sweep suspends (never deletes).
@@ -792,8 +837,10 @@ async def test_two_installations_in_one_namespace_never_touch_each_others_sandbo
         assert await staging.sweep_once(idle) == 0 and idle.asked == []
         assert _held(core, custom, ns, names[session]) == held[session]
         production._clock = lambda: time.time() + 3600  # its own ensure is an hour old
+        assert list(production.last_ensured) == [names[session]]  # sessions only: the sweep's floor
         assert await production.sweep_once(idle) == 1
         assert idle.asked == [session]
+        assert production.last_ensured == {}, "a floor a window old is dropped: it can keep nothing running"
         modes = {sid: _sandbox(custom, ns, name)["spec"]["operatingMode"] for sid, name in names.items()}
         assert modes == {session: "Suspended", no_id: "Running", legacy: "Running"}
         for sid in (no_id, legacy):
@@ -806,6 +853,7 @@ async def test_two_installations_in_one_namespace_never_touch_each_others_sandbo
         await staging.ensure("workflow", warm_id, SandboxEnvironment(f"wfexec:{warm_id}", "tok.warm.staging"))
         warm_base = sandbox_base_name("workflow", warm_id)
         claim_uid = _claim(custom, ns, warm_base)["metadata"]["uid"]
+        assert staging.last_ensured == {}, "a workflow ensure leaves no idle-clock entry"
         with pytest.raises(SandboxCollision, match=r"SandboxClaim .* of installation 'staging'"):
             await production.ensure("workflow", warm_id, SandboxEnvironment(f"wfexec:{warm_id}", "tok.p"))
         assert await production.warm.recover() == 0

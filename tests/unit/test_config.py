@@ -544,3 +544,14 @@ def test_config_show_and_check_take_the_config_flag_after_the_subcommand(tmp_pat
     assert json.loads(shown.stdout)["SANDBOX_LANES_GROUP_ID"] == "after-subcommand"
     checked = _cli({}, "config", "check", "--config", str(path))
     assert checked.returncode == 0, checked.stderr
+
+
+def test_the_installation_defaults_to_the_consumer_group_and_must_be_a_label_value() -> None:
+    assert load_settings({}).driver.installation == "sandbox-lanes"
+    assert load_settings({"SANDBOX_LANES_GROUP_ID": "lanes-staging"}).driver.installation == "lanes-staging"
+    both = {"SANDBOX_LANES_GROUP_ID": "lanes-staging", "SANDBOX_LANES_INSTALLATION": "staging"}
+    assert load_settings(both).driver.installation == "staging"
+    with pytest.raises(ConfigError, match="SANDBOX_LANES_INSTALLATION: installation 'eu/prod' is not usable"):
+        load_settings({"SANDBOX_LANES_INSTALLATION": "eu/prod"})
+    with pytest.raises(ConfigError, match=r"SANDBOX_LANES_GROUP_ID: .* \(set SANDBOX_LANES_INSTALLATION\)"):
+        load_settings({"SANDBOX_LANES_GROUP_ID": "lanes:staging"})
