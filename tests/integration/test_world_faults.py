@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from confluent_kafka import Producer
 
 from consumers.ops.settings import load_settings
@@ -315,6 +316,60 @@ async def test_a_fence_of_one_partition_amid_the_others_commits_harms_none(
             e: v for e, v in outcomes.items() if v != ["SandboxProvisioned", "SandboxDeprovisioned"]
         }
         assert fenced >= 1  # the fence did land on a transaction of partition 0
+        assert await _dead_letters(kafka_bootstrap, env) == []
+    finally:
+        await producer.stop()
+
+
+@pytest.mark.timeout(240)
+async def test_only_the_result_that_cannot_be_written_pays(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Six ensures come back together and are folded in one transaction; one of them (an execution
+    whose id makes its outcome larger than the outcome topic takes) fails that transaction the same
+    way every time. The other five are folded and provisioned; only the one is given up: recorded
+    as a failure of its call, and, as that outcome is too large as well, dropped and counted."""
+    env = unique_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_PROVISIONER_TYPE="memory",
+        SANDBOX_LANES_PARTITIONS="1",
+        SANDBOX_LANES_DEAD_LETTER_ATTEMPTS="2",
+        SANDBOX_LANES_DRIVER_OPTIONS="ensure_latency_ms=1500",
+    )
+    await create_inputs(env)
+    topics = load_settings(env).topics
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:  # the outcome topic takes records up to 3,000 bytes: an ordinary outcome is a few hundred
+        await admin.create_topics(
+            [NewTopic(topics.outcomes, 1, 1, topic_configs={"max.message.bytes": "3000"})]
+        )
+    finally:
+        await admin.close()
+    tag = uuid.uuid4().hex[:6]
+    ordinary = [f"wf-ok-{tag}-{i}" for i in range(5)]
+    too_large = f"wf-big-{tag}-" + "x" * 3000
+    producer = await _producer(kafka_bootstrap, max_request_size=1 << 20)
+    try:
+        async with running_pod(env) as composed:
+            pod = composed.pod
+            for execution_id in [*ordinary[:3], too_large, *ordinary[3:]]:
+                record = encode(wf_created(execution_id))
+                await producer.send(
+                    topics.execution_created, record.value, key=record.key, headers=record.headers
+                )
+            await producer.flush()
+            provisioned = await _outcomes(kafka_bootstrap, env, ordinary[-1], 1)
+            assert [type(o) for o in provisioned] == [outcomes_pb2.SandboxProvisioned]
+            dropped = pod.metrics.results_dropped
+            deadline = time.monotonic() + 60
+            while dropped._value.get() < 1:  # the given-up result is counted, not lost silently
+                assert time.monotonic() < deadline, "the result that cannot be written was never given up"
+                await asyncio.sleep(0.2)
+            assert pod.health().alive
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, settle_s=0.5, timeout_s=10)
+        by_id = {getattr(r.message, "execution_id", ""): type(r.message).__name__ for r in outcomes}
+        assert by_id == {e: "SandboxProvisioned" for e in ordinary}, by_id
+        assert dropped._value.get() == 1
         assert await _dead_letters(kafka_bootstrap, env) == []
     finally:
         await producer.stop()
