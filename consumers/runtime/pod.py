@@ -558,7 +558,12 @@ class Pod:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(0.5):
                         await self.effects.ready.wait()
-            await self._turn({})
+            try:
+                await self._turn({})
+            except Exception as exc:  # the world, while stopping: tried again within the bound
+                logger.warning("folding results back while stopping failed", extra={"error": repr(exc)})
+                await asyncio.sleep(0.2)
+                continue
             if self._retry:  # a fold-back failed (the world): not again at once
                 await asyncio.sleep(0.2)
 
@@ -635,7 +640,13 @@ class Pod:
         self.metrics.effects_outstanding.set(outstanding)
         # Fetch what is owned (taken over, not fenced) unless throttled or stopping; pause the rest.
         fetching = self._throttle.fetching(outstanding, self._stop.is_set())
-        resumed = [tp for tp in assigned if fetching and tp.partition in self._owned - self._fenced]
+        now = time.monotonic()
+        resting = {p for p, until in self._resting.items() if until > now}
+        resumed = [
+            tp
+            for tp in assigned
+            if fetching and tp.partition in self._owned - self._fenced and tp.partition not in resting
+        ]
         if resumed:
             self._consumer.resume(*resumed)
         paused = [tp for tp in assigned if tp not in set(resumed)]
