@@ -10,14 +10,19 @@ import uuid
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness.memory_driver import MemoryProvisioner
 
 from consumers.ops.settings import load_settings
+from consumers.runtime.effects import EffectRunner
+from events.codec import OUTCOME_TYPES, decode
 from events.sandbox_lanes.v1 import outcomes_pb2
+from tests.support.chaos_verify import read_all
 from tests.support.pod_harness import (
     PodProcess,
+    Received,
     latest_states,
     produce,
     read_topic,
@@ -34,6 +39,32 @@ RUN = uuid.uuid4().hex[:8]
 
 def memory_env(bootstrap: str, tmp: Path, **overrides: str) -> dict[str, str]:
     return unique_env(bootstrap, tmp, SANDBOX_PROVISIONER_TYPE="memory", **overrides)
+
+
+def peak_outstanding(effects: EffectRunner) -> list[int]:
+    """The most calls ever out at once (queued, running or not yet folded), exact: only a submit
+    adds one, so the maximum is read right after each submit (no sampling that could miss it)."""
+    peak = [0]
+    submit = effects.submit
+
+    def counted(*args: Any, **kwargs: Any) -> bool:
+        accepted = submit(*args, **kwargs)
+        peak[0] = max(peak[0], effects.outstanding)
+        return accepted
+
+    effects.submit = counted  # type: ignore[method-assign]
+    return peak
+
+
+async def committed_outcomes(bootstrap: str, topic: str) -> list[Received]:
+    """Every committed outcome, read up to the topic's last stable offset (once the pod has stopped,
+    all it wrote: no quiet period decides it)."""
+    out = []
+    for r in await read_all(bootstrap, topic):
+        headers = [(k, v.encode()) for k, v in r.headers.items()]
+        message = decode(r.key, r.value, headers, allowed=OUTCOME_TYPES)
+        out.append(Received(topic, (r.key or b"").decode(), message, r.headers, r.value, r.partition))
+    return out
 
 
 def assert_one_outcome_each(outcomes: list, executions: list[str], kind: type) -> None:  # type: ignore[type-arg]
@@ -58,21 +89,13 @@ async def test_driver_calls_longer_than_the_transaction_timeout_run_concurrently
     driver = MemoryProvisioner(ensure_latency_ms=2000)
     executions = [f"wfx_slow_{RUN}_{i}" for i in range(60)]
     async with running_pod(env, provisioner=driver) as composed:
-        peak = 0
-
-        async def watch() -> None:
-            nonlocal peak
-            while True:
-                peak = max(peak, composed.pod.effects.outstanding)
-                await asyncio.sleep(0.05)
-
-        watcher = asyncio.create_task(watch())
+        peak = peak_outstanding(composed.pod.effects)
         await produce(kafka_bootstrap, env, *(wf_created(e) for e in executions))
-        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=60, timeout_s=90, settle_s=1.0)
-        watcher.cancel()
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=60, timeout_s=90, settle_s=0)
         assert composed.pod.stats.commit_failures == 0
+    outcomes = await committed_outcomes(kafka_bootstrap, topics.outcomes)  # the pod has stopped
     assert_one_outcome_each(outcomes, executions, outcomes_pb2.SandboxProvisioned)
-    assert peak > 16  # calls were out while the pod went on deciding (16 running, more queued)
+    assert peak[0] > 16  # calls were out while the pod went on deciding (16 running, more queued)
     assert driver.count("ensure") == 60
     states = latest_states(await read_topic(kafka_bootstrap, topics.state, at_least=120))
     assert all(not states[e].pending for e in executions)
@@ -105,21 +128,13 @@ async def test_a_full_driver_pool_pauses_fetching_instead_of_buffering(
     driver = MemoryProvisioner(ensure_latency_ms=100)
     executions = [f"wfx_bp_{RUN}_{i}" for i in range(80)]
     async with running_pod(env, provisioner=driver) as composed:
-        peak = 0
-
-        async def watch() -> None:
-            nonlocal peak
-            while True:
-                peak = max(peak, composed.pod.effects.outstanding)
-                await asyncio.sleep(0.01)
-
-        watcher = asyncio.create_task(watch())
+        peak = peak_outstanding(composed.pod.effects)
         await produce(kafka_bootstrap, env, *(wf_created(e) for e in executions))
-        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=80, timeout_s=90)
-        watcher.cancel()
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=80, timeout_s=90, settle_s=0)
+    outcomes = await committed_outcomes(kafka_bootstrap, topics.outcomes)  # the pod has stopped
     assert_one_outcome_each(outcomes, executions, outcomes_pb2.SandboxProvisioned)
     # Bounded: the threshold plus at most one fetch per partition decided before the pause.
-    assert 20 <= peak <= 20 + 2 * 5, peak
+    assert 20 <= peak[0] <= 20 + 2 * 5, peak
     assert "driver calls backing up, pausing fetch" in caplog.text
     assert "driver calls caught up, fetching again" in caplog.text
 
