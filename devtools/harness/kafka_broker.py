@@ -923,8 +923,8 @@ class ClusterNode(KafkaBroker):
 class KafkaCluster:
     """A KRaft cluster of ``nodes`` combined broker+controller processes on loopback (node ids 1..n,
     every node a voter of the metadata quorum), replication ``nodes`` (at most 3) with
-    ``min.insync.replicas`` one less, for broker-fault tests: :meth:`kill` (SIGKILL) and
-    :meth:`start_node` a node by index, :meth:`wait_isr_full`, and the group and transaction
+    ``min.insync.replicas`` one less, for broker-fault tests: :meth:`kill` (SIGKILL), :meth:`stop_node`
+    (SIGTERM) and :meth:`start_node` a node by index, :meth:`wait_isr_full`, and the group and transaction
     coordinators by id (:meth:`group_coordinator`, :meth:`transaction_coordinator`).
     """
 
@@ -1086,6 +1086,24 @@ class KafkaCluster:
         with contextlib.suppress(ProcessLookupError):
             os.kill(node.proc.pid, signal.SIGKILL)
         node.proc.wait(30)
+
+    def stop_node(self, index: int, timeout: float = 60.0) -> float:
+        """SIGTERM node ``index`` (a controlled shutdown: the controller moves its leaders and
+        coordinators first, as in a rolling restart) and wait until it exited; SIGKILL past
+        ``timeout``. Returns the seconds it took."""
+        node = self.nodes[index]
+        if not node.running:
+            raise KafkaBrokerError(f"node {index} is not running")
+        assert node.proc is not None
+        began = time.monotonic()
+        node.proc.terminate()
+        try:
+            node.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            node.proc.kill()
+            node.proc.wait(30)
+            raise KafkaBrokerError(f"node {index} ignored SIGTERM for {timeout:g}s: killed") from None
+        return time.monotonic() - began
 
     def start_node(self, index: int, timeout: float = 90.0) -> float:
         """Start node ``index`` again on its data dir and ports; wait until it serves with every
