@@ -23,6 +23,7 @@ from consumers.runtime.runner_tokens import (
     RunnerCredentialProvider,
     load_credential_provider,
 )
+from consumers.runtime.state.store import open_store
 from drivers.contract import SandboxProvisioner
 from drivers.registry import new_sandbox_provisioner
 
@@ -133,4 +134,11 @@ def compose(
         )
     )
     processor = LaneProcessor(lane, runner, logger)
-    return Composed(Pod(pod_config(settings), processor, metrics), provisioner, lane, metrics)
+    config = pod_config(settings)
+    store = open_store(
+        "rocksdb" if settings.state_store == "rocksdb" else "memory",
+        config.topics.state,
+        config.state_retention_s,
+        settings.state_dir,
+    )
+    return Composed(Pod(config, processor, metrics, store), provisioner, lane, metrics)

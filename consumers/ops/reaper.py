@@ -34,7 +34,7 @@ from consumers.runtime.executor import error_message
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.kafka.topology import Topics
 from consumers.runtime.metrics import PodMetrics
-from consumers.runtime.state.store import StateStore
+from consumers.runtime.state.store import MemoryStore
 from drivers.contract import SandboxProvisioner
 from events.codec import encode
 from events.sandbox_lanes.v1 import state_pb2
@@ -102,7 +102,7 @@ async def read_all_states(
 ) -> dict[str, state_pb2.ExecutionState]:
     """Every execution's latest state: the whole compacted topic, all partitions, read-only."""
     partitions = (await partitions_of(bootstrap, [topic], security=security)).get(topic, [])
-    store = StateStore(topic)
+    store = MemoryStore(topic)
     await store.restore(bootstrap, partitions, isolation_level=isolation_level, security=security)
     return dict(store.items())
 

@@ -164,6 +164,20 @@ SETTINGS: tuple[Setting, ...] = (
         "age (since its last input) at which a finished execution's state is tombstoned; `0` keeps "
         "every state for ever (see [Retention](guarantees.md#retention))",
     ),
+    Setting(
+        "SANDBOX_LANES_STATE_STORE",
+        "memory",
+        "where a pod keeps its partitions' states: `memory` (restored from the state topic's beginning "
+        "on every take-over) or `rocksdb` (one RocksDB database per partition under "
+        "`SANDBOX_LANES_STATE_DIR`, with a checkpoint: a take-over reads only the topic's tail; see "
+        "[State checkpoints](guarantees.md#state-checkpoints))",
+    ),
+    Setting(
+        "SANDBOX_LANES_STATE_DIR",
+        "/var/lib/sandbox-lanes/state",
+        "the `rocksdb` state store's directory (a volume that outlives the container: an `emptyDir`, "
+        "or a PersistentVolumeClaim per pod)",
+    ),
     Setting("SANDBOX_LANES_SESSION_TIMEOUT_MS", "10000", "consumer group session timeout"),
     Setting("SANDBOX_LANES_SHUTDOWN_TIMEOUT_S", "30", "bound on graceful shutdown after SIGTERM"),
     Setting("SANDBOX_LANES_ENSURE_TIMEOUT_S", "120", "bound on one driver ensure"),
@@ -322,6 +336,9 @@ _BY_NAME = {s.env: s for s in SETTINGS}
 def _get(env: Mapping[str, str], name: str) -> str:
     value = env.get(name, "")
     return value if value != "" else _BY_NAME[name].default
+
+
+_STATE_STORES = ("memory", "rocksdb")
 
 
 def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str:
@@ -652,6 +669,9 @@ class Settings:
     dead_letter_attempts: int
     max_clock_ahead_s: float
     state_retention_s: float
+    #: The state store (``memory`` or ``rocksdb``) and the ``rocksdb`` store's directory.
+    state_store: str
+    state_dir: str
     ensure_timeout_s: float
     teardown_timeout_s: float
     provisioner_type: str
@@ -807,6 +827,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         dead_letter_attempts=_int(env, "SANDBOX_LANES_DEAD_LETTER_ATTEMPTS", 1),
         max_clock_ahead_s=_float(env, "SANDBOX_LANES_MAX_CLOCK_AHEAD_S"),
         state_retention_s=_int(env, "SANDBOX_LANES_STATE_RETENTION_S", 0),
+        state_store=_choice(env, "SANDBOX_LANES_STATE_STORE", _STATE_STORES),
+        state_dir=_get(env, "SANDBOX_LANES_STATE_DIR"),
         ensure_timeout_s=_float(env, "SANDBOX_LANES_ENSURE_TIMEOUT_S"),
         teardown_timeout_s=_float(env, "SANDBOX_LANES_TEARDOWN_TIMEOUT_S"),
         provisioner_type=provisioner_type,

@@ -9,7 +9,7 @@ decision added are handed to :class:`consumers.runtime.effects.EffectRunner` onl
 the commit, and their results come back in a later turn. Records are processed in
 partition order (key = execution id, so per-execution order holds). Writes are
 staged in an overlay and folded into the state store only once committed, so an
-aborted or failed transaction leaves memory equal to the topic.
+aborted or failed transaction leaves the store equal to the topic.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ from consumers.runtime.pod_config import Health, PodConfig, PodStats, assess_hea
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.shutdown import end_tasks, run_until_bound
 from consumers.runtime.stall_guard import StallGuard
+from consumers.runtime.state.interface import CHECKPOINT_INTERVAL_S
 from consumers.runtime.state.recovery import restore_and_resume
-from consumers.runtime.state.store import HeldStates, StateStore
+from consumers.runtime.state.store import HeldStates, MemoryStore, StateStore
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
@@ -118,12 +119,17 @@ def _result_subject(effect_id: str) -> str:
 
 class Pod:
     def __init__(
-        self, config: PodConfig, processor: LaneProcessor, metrics: PodMetrics | None = None
+        self,
+        config: PodConfig,
+        processor: LaneProcessor,
+        metrics: PodMetrics | None = None,
+        store: StateStore | None = None,
     ) -> None:
         self.config = config
         self.processor = processor
         self.metrics = metrics or PodMetrics()
-        self._store = StateStore(config.topics.state, config.state_retention_s)
+        #: The states of the owned partitions (in memory unless given one: ``open_store``).
+        self._store = MemoryStore(config.topics.state, config.state_retention_s) if store is None else store
         self.stats = PodStats()
         self._last_loop = time.monotonic()
         self._restoring = False
@@ -266,12 +272,15 @@ class Pod:
             task.cancel()
         if self._taking_over:
             await asyncio.wait(set(self._taking_over), timeout=_CLOSE_RESERVE_S)
+        with contextlib.suppress(Exception):  # a last checkpoint (proven: safe past a take-over too)
+            await asyncio.wait_for(self._store.checkpoint(self._store.owned()), _CLOSE_RESERVE_S / 2)
         if self._consumer is not None:
             with contextlib.suppress(Exception):
                 await self._consumer.stop()
         if self._sinks is not None:
             with contextlib.suppress(Exception):
                 await self._sinks.stop()
+        self._store.close()
         self._consumer = None
         self._sinks = None
 
@@ -280,6 +289,7 @@ class Pod:
         await self.start()
         self._running = True
         self._background.append(asyncio.get_running_loop().create_task(self.stall_guard.watch(self._stop)))
+        self._background.append(asyncio.get_running_loop().create_task(self._checkpoints()))
         try:
             await self._bounded_loop()
         finally:
@@ -311,6 +321,19 @@ class Pod:
         await run_until_bound(
             self._loop(), self._stop, lambda: self._remaining() - _CLOSE_RESERVE_S, bound_reached
         )
+
+    async def _checkpoints(self) -> None:
+        """Every few seconds, off the turn, the store's checkpoints move forward (a disk store: see
+        :meth:`RocksDBStore.checkpoint`); one that fails leaves them where they were (a longer tail)."""
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), CHECKPOINT_INTERVAL_S)
+            if self._stop.is_set():
+                return
+            try:
+                await self._store.checkpoint(self._owned & self._store.owned())
+            except Exception as exc:
+                logger.warning("state checkpoint not moved", extra={"error": repr(exc)})
 
     async def _stop_background(self) -> None:
         self._stop.set()  # background tasks end on the stop signal too (also when the loop raised)
@@ -774,7 +797,7 @@ class Pod:
         self._last_loop = time.monotonic()
 
     def _committed(self, txn: PartitionTransaction, started: float) -> None:
-        """The transaction is durable: memory follows, its driver calls start, the meters move."""
+        """The transaction is durable: the store follows, its driver calls start, the meters move."""
         assert self._consumer is not None
         self.stats.max_transaction_s = max(self.stats.max_transaction_s, time.monotonic() - started)
         self.stats.commits_failing_since = None
@@ -789,12 +812,8 @@ class Pod:
             self._standing[tp] = offset
             with contextlib.suppress(Exception):
                 self._consumer.seek(tp, offset)
-        for key, state in txn.overlay.items():
-            if state is None:
-                self._store.delete(txn.partition, key)
-                self.metrics.states_removed.inc()
-            else:
-                self._store.put(txn.partition, key, state)
+        self._store.apply(txn.partition, txn.overlay)
+        self.metrics.states_removed.inc(sum(state is None for state in txn.overlay.values()))
         for rec in txn.attempted:
             self._doomed.pop(record_ref(rec), None)
         if txn.limit != 0:

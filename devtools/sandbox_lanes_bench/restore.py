@@ -110,9 +110,9 @@ async def _write_states(bootstrap: str, topic: str, n: int, partitions: int, sho
 def _restore_child(bootstrap: str, topic: str, partitions: int, conn: Any) -> None:
     """Child process: restore every partition of ``topic``; report time, keys and peak RSS."""
     try:
-        from consumers.runtime.state.store import StateStore
+        from consumers.runtime.state.store import MemoryStore
 
-        store = StateStore(topic)
+        store = MemoryStore(topic)
         baseline = read_status("VmRSS")
         report = asyncio.run(store.restore(bootstrap, range(partitions), isolation_level="read_uncommitted"))
         conn.send(

@@ -207,11 +207,11 @@ def _restore_child(
     bootstrap: str, topic: str, partitions: int, retention_s: int, repeats: int, conn: Any
 ) -> None:
     try:
-        from consumers.runtime.state.store import StateStore
+        from consumers.runtime.state.store import MemoryStore
 
         runs: list[dict[str, Any]] = []
         for _ in range(repeats):
-            store = StateStore(topic, retention_s)
+            store = MemoryStore(topic, retention_s)
             report = asyncio.run(
                 store.restore(bootstrap, range(partitions), isolation_level="read_committed")
             )

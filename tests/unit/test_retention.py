@@ -15,7 +15,7 @@ import pytest
 
 from consumers.lanes.reap import plan_reap
 from consumers.lanes.retention import finished, removable_from
-from consumers.runtime.state.store import StateStore
+from consumers.runtime.state.store import MemoryStore as StateStore
 from events.sandbox_lanes.v1 import common_pb2, state_pb2
 from tests.integration.test_reaper import _sb, _state
 

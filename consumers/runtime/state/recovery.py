@@ -9,7 +9,7 @@ from consumers.lanes.outbox import pending_of
 from consumers.runtime.effects import EffectRunner
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod_config import PodConfig, PodStats
-from consumers.runtime.state.store import StateStore
+from consumers.runtime.state.interface import StateStore
 
 logger = logging.getLogger("sandbox_lanes.pod")
 

@@ -1,0 +1,138 @@
+"""The state topic read as a changelog: its bounds, its identity, and its records from given offsets.
+
+:func:`consumers.runtime.kafka.topic_reader.read_to_end` reads from the beginning; a store with a
+checkpoint reads from its checkpoint instead, so it has its own reader here. "The end" is taken
+once when reading starts (``read_committed``: the last stable offset), as there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+
+from consumers.runtime.kafka.failures import is_deterministic
+from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
+from consumers.runtime.kafka.unparsable import fetch_around_unparsable
+
+logger = logging.getLogger("sandbox_lanes.state")
+
+Records = list[ConsumerRecord[bytes, bytes]]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A partition's first offset and its end (for ``read_committed``, the last stable offset)."""
+
+    beginning: int
+    end: int
+
+
+async def topic_id(
+    bootstrap: str, topic: str, *, security: KafkaSecurity = PLAINTEXT, timeout_s: float = 10.0
+) -> str | None:
+    """The topic's id (a recreated topic has a new one), or None when the broker does not tell."""
+
+    def describe() -> str | None:
+        from confluent_kafka import TopicCollection
+        from confluent_kafka.admin import AdminClient
+
+        admin = AdminClient({"bootstrap.servers": bootstrap, **security.librdkafka_options()})
+        futures = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)
+        described = futures[topic].result(timeout=timeout_s)
+        found = getattr(described, "topic_id", None)
+        return None if found is None else str(found)
+
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(describe), timeout_s + 1)
+    except Exception as exc:  # an older broker, an ACL: the offsets' bounds still guard
+        logger.warning("state topic id unknown", extra={"topic": topic, "error": repr(exc)})
+        return None
+
+
+class ChangelogReader:
+    """One consumer for a store's restore: :meth:`bounds`, then :meth:`read` from chosen offsets."""
+
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        partitions: list[int],
+        *,
+        isolation_level: str = "read_committed",
+        security: KafkaSecurity = PLAINTEXT,
+    ) -> None:
+        self.topic = topic
+        self.tps = [TopicPartition(topic, p) for p in partitions]
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap,
+            group_id=None,
+            enable_auto_commit=False,
+            isolation_level=isolation_level,
+            auto_offset_reset="earliest",
+            max_partition_fetch_bytes=4 * 1024 * 1024,
+            **security.client_options(),
+        )
+        self._ends: dict[TopicPartition, int] = {}
+
+    async def __aenter__(self) -> ChangelogReader:
+        try:
+            await self.consumer.start()
+        except BaseException:
+            await self.consumer.stop()
+            raise
+        self.consumer.assign(self.tps)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.consumer.stop()
+
+    async def bounds(self) -> dict[int, Bounds]:
+        begins = await self.consumer.beginning_offsets(self.tps)
+        self._ends = await self.consumer.end_offsets(self.tps)
+        return {tp.partition: Bounds(begins[tp], self._ends[tp]) for tp in self.tps}
+
+    async def read(
+        self, starts: Mapping[int, int], *, timeout_s: float = 300.0
+    ) -> AsyncIterator[tuple[int, Records]]:
+        """``(partition, records)`` batches from ``starts`` up to the ends :meth:`bounds` took."""
+        if not self._ends:
+            await self.bounds()
+        consumer = self.consumer
+        nexts: dict[TopicPartition, int] = {}
+        for tp in self.tps:
+            nexts[tp] = starts.get(tp.partition, 0)
+            consumer.seek(tp, nexts[tp])
+        pending = {tp for tp in self.tps if self._ends[tp] > nexts[tp]}
+        deadline = time.monotonic() + timeout_s
+
+        async def rewind(tp: TopicPartition) -> None:
+            consumer.seek(tp, nexts[tp])
+
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {self.topic} did not reach the end in {timeout_s:g}s")
+            try:
+                batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
+            except Exception as exc:
+                if not is_deterministic(exc):
+                    raise
+                batch, _ = await fetch_around_unparsable(
+                    consumer, sorted(pending), rewind, poll_ms=500, max_records=10_000
+                )
+            for tp, recs in batch.items():
+                kept = [r for r in recs if r.offset < self._ends[tp]]
+                if recs:
+                    nexts[tp] = recs[-1].offset + 1
+                if kept:
+                    yield tp.partition, kept
+            for tp in list(pending):
+                if await consumer.position(tp) >= self._ends[tp]:
+                    pending.discard(tp)
+
+    def ends(self) -> dict[int, int]:
+        return {tp.partition: off for tp, off in self._ends.items()}

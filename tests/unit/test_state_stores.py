@@ -1,0 +1,169 @@
+"""The state stores without a broker: the memory and the RocksDB store behave alike (reads, writes,
+tombstones, the retention schedule); the RocksDB store keeps its states, count and due-time index
+across a close and reopen, and refuses checkpoints that are not this partition's.
+
+The restore and the checkpoints against the topic are tested on the real broker
+(tests/integration/test_state_checkpoints.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from consumers.runtime.state.changelog import Bounds
+from consumers.runtime.state.interface import STATE_FORMAT_VERSION, StateStore
+from consumers.runtime.state.memory import MemoryStore
+from consumers.runtime.state.rocksdb import RocksDBStore, proven
+from consumers.runtime.state.store import open_store
+from events.sandbox_lanes.v1 import common_pb2, state_pb2
+from tests.integration.test_reaper import _state
+
+
+def _pending(state: state_pb2.ExecutionState) -> state_pb2.ExecutionState:
+    entry = state.pending.add()
+    entry.effect_id = "c1"
+    entry.op = state_pb2.EFFECT_OP_DEPROVISION
+    return state
+
+
+def _rocksdb(tmp: Path, retention_s: float) -> RocksDBStore:
+    store = RocksDBStore("state", retention_s, directory=tmp)
+    store.adopt([0, 1])
+    return store
+
+
+@pytest.fixture(params=["memory", "rocksdb"])
+def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[type[object]]:
+    made: list[StateStore] = []
+
+    def factory(retention_s: float = 0.0) -> StateStore:
+        store: StateStore = (
+            MemoryStore("state", retention_s) if request.param == "memory" else _rocksdb(tmp_path, retention_s)
+        )
+        made.append(store)
+        return store
+
+    yield factory  # type: ignore[misc]
+    for store in made:
+        store.close()
+
+
+def test_puts_gets_and_tombstones(make) -> None:  # type: ignore[no-untyped-def]
+    store = make()
+    store.apply(0, {"a": _state("a", phase=common_pb2.EXECUTION_IN_PROGRESS, at=1), "b": None})
+    store.apply(1, {"c": _state("c", phase=common_pb2.EXECUTION_IN_PROGRESS, at=1)})
+    got = store.get(0, "a")
+    assert got is not None and got.execution_id == "a"
+    assert store.get(1, "a") is None and store.get(0, "b") is None
+    assert len(store) == 2 and store.owned() >= {0, 1}
+    # The same write twice counts once; a tombstone takes the key out of the store.
+    store.apply(0, {"a": _state("a", phase=common_pb2.EXECUTION_COMPLETED, at=2)})
+    assert len(store) == 2
+    store.apply(0, {"a": None})
+    assert store.get(0, "a") is None and len(store) == 1
+    assert sorted(k for k, _ in store.items()) == ["c"]
+    assert [k for k, _ in store.partition_items(1)] == ["c"]
+
+
+def test_the_schedule_lists_due_keys_until_their_tombstone(make) -> None:  # type: ignore[no-untyped-def]
+    store = make(100.0)
+    store.put(0, "done_early", _state("done_early", phase=common_pb2.EXECUTION_COMPLETED, at=1_000))
+    store.put(0, "done_late", _state("done_late", phase=common_pb2.EXECUTION_FAILED, at=1_050))
+    store.put(1, "other", _state("other", phase=common_pb2.EXECUTION_CANCELLED, at=1_000))
+    store.put(0, "live", _state("live", phase=common_pb2.EXECUTION_IN_PROGRESS, at=0))
+    store.put(0, "tearing", _pending(_state("tearing", phase=common_pb2.EXECUTION_COMPLETED, at=0)))
+    assert store.due(1_099.0, limit=10) == {}
+    assert store.due(1_100.0, limit=10) == {0: ["done_early"], 1: ["other"]}
+    assert sum(len(v) for v in store.due(1_100.0, limit=1).values()) == 1
+    assert store.due(1_200.0, limit=10) == {0: ["done_early", "done_late"], 1: ["other"]}
+    store.delete(0, "done_early")
+    # A state that moves on is no longer due; one that ends again is, from its new time.
+    store.put(0, "done_late", _state("done_late", phase=common_pb2.EXECUTION_IN_PROGRESS, at=1_060))
+    assert store.due(1_200.0, limit=10) == {1: ["other"]}
+    store.put(0, "done_late", _state("done_late", phase=common_pb2.EXECUTION_COMPLETED, at=1_070))
+    assert store.due(1_169.0, limit=10) == {1: ["other"]}
+    assert store.due(1_170.0, limit=10) == {0: ["done_late"], 1: ["other"]}
+    store.drop([1])
+    assert store.due(1_200.0, limit=10) == {0: ["done_late"]}
+    assert 1 not in store.owned() and len(store) == 3
+
+
+def test_rocksdb_keeps_states_count_and_schedule_across_a_reopen(tmp_path: Path) -> None:
+    store = _rocksdb(tmp_path, 100.0)
+    for i in range(50):
+        phase = common_pb2.EXECUTION_COMPLETED if i % 2 else common_pb2.EXECUTION_IN_PROGRESS
+        store.put(0, f"e{i:02d}", _state(f"e{i:02d}", phase=phase, at=1_000 + i))
+    store.delete(0, "e01")
+    store.close()
+    again = RocksDBStore("state", 100.0, directory=tmp_path)
+    assert again.owned() == set()
+    again.adopt([0])
+    try:
+        assert len(again) == 49
+        # The index is read back, not rebuilt: the earliest due keys first, the tombstoned one gone.
+        assert again.due(1_105.0, limit=10) == {0: ["e03", "e05"]}
+        assert again.due(1e12, limit=100)[0] == [f"e{i:02d}" for i in range(3, 50, 2)]
+    finally:
+        again.close()
+
+
+def test_open_store_picks_the_implementation(tmp_path: Path) -> None:
+    assert isinstance(open_store("memory", "t"), MemoryStore)
+    disk = open_store("rocksdb", "t", 5.0, tmp_path)
+    assert isinstance(disk, RocksDBStore) and disk.directory == tmp_path / "t"
+    with pytest.raises(ValueError, match="state directory"):
+        open_store("rocksdb", "t")
+
+
+def _checkpoint(**changes: object) -> dict[str, object]:
+    found: dict[str, object] = {
+        "format": STATE_FORMAT_VERSION,
+        "topic": "state",
+        "topicId": "id-1",
+        "partition": 0,
+        "isolation": "read_committed",
+        "retentionSeconds": 100.0,
+        "offset": 40,
+    }
+    found.update(changes)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("changes", "bounds", "reason"),
+    [
+        ({"topic": "other"}, Bounds(0, 50), "topic is 'other'"),
+        ({"partition": 1}, Bounds(0, 50), "partition is 1"),
+        ({"format": STATE_FORMAT_VERSION - 1}, Bounds(0, 50), "format is"),
+        ({"isolation": "read_uncommitted"}, Bounds(0, 50), "isolation is"),
+        ({"retentionSeconds": 7.0}, Bounds(0, 50), "retentionSeconds is"),
+        ({"topicId": "id-0"}, Bounds(0, 50), "recreated"),
+        ({}, Bounds(0, 39), "past the topic's end"),
+        ({}, Bounds(41, 60), "before the topic's first offset"),
+        ({"offset": "40"}, Bounds(0, 50), "no offset"),
+    ],
+)
+def test_a_checkpoint_not_this_partitions_is_refused(
+    tmp_path: Path, changes: dict[str, object], bounds: Bounds, reason: str
+) -> None:
+    store = RocksDBStore("state", 100.0, directory=tmp_path)
+    store._topic_id = "id-1"
+    assert store._refused(_checkpoint(), 0, Bounds(0, 50), "read_committed") is None
+    assert store._refused(_checkpoint(), 0, Bounds(40, 40), "read_committed") is None
+    why = store._refused(_checkpoint(**changes), 0, bounds, "read_committed")
+    assert why is not None and reason in why
+    assert store._refused(None, 0, bounds, "read_committed") == "no checkpoint"
+
+
+def test_a_checkpoint_moves_only_past_writes_this_store_applied() -> None:
+    applied: dict[str, list[bytes | None]] = {"a": [b"a1", b"a2"], "b": [None], "c": [b"c1"]}
+    # The tail's last record per key is one of ours: where, per key (the first match).
+    assert proven({"a": b"a1", "b": None}, applied) == {"a": 0, "b": 0}
+    assert proven({}, applied) == {}
+    # Another writer's record (or a commit of ours not applied yet) holds the checkpoint back.
+    assert proven({"a": b"a1", "c": b"foreign"}, applied) is None
+    assert proven({"d": b"d1"}, applied) is None
+    assert proven({"b": b"b-live"}, applied) is None
