@@ -1,0 +1,270 @@
+"""The RocksDB state store's checkpoints on the real broker (issue 38).
+
+* The store alone: a restore from empty reads the whole partition; a restart with a checkpoint reads
+  only the tail; a checkpoint of another topic, an older format, or a topic deleted and created
+  again (a new topic id) is refused and the partition is restored in full, with nothing of the
+  old topic left in the store.
+* A pod on the disk store: restarted with a checkpoint it reads only the tail and holds exactly
+  what a restore from empty holds; killed -9 between its commits and its next checkpoint, the next
+  pod reads the longer tail and nothing is lost or provisioned twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from consumers.ops.settings import load_settings
+from consumers.runtime.state.changelog import ChangelogReader
+from consumers.runtime.state.interface import STATE_FORMAT_VERSION
+from consumers.runtime.state.memory import MemoryStore
+from consumers.runtime.state.rocksdb import _CHECKPOINT, RocksDBStore
+from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2, state_pb2
+from tests.integration.test_effects_kafka import assert_one_outcome_each, committed_outcomes, memory_env
+from tests.support.chaos_verify import read_all
+from tests.support.pod_harness import PodProcess, produce, read_topic, running_pod, wf_created
+
+pytestmark = [pytest.mark.kafka, pytest.mark.usefixtures("no_leaked_runners")]
+
+
+def _state(key: str, n: int) -> bytes:
+    return state_pb2.ExecutionState(
+        execution_id=key, created=True, kind=common_pb2.WORKFLOW_EXECUTION, phase=n % 3
+    ).SerializeToString()
+
+
+async def _create(bootstrap: str, topic: str) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        for _ in range(120):  # a topic just deleted is still being removed for a moment
+            try:
+                await admin.create_topics(
+                    [NewTopic(topic, 1, 1, topic_configs={"cleanup.policy": "compact"})]
+                )
+                return
+            except TopicAlreadyExistsError:
+                await asyncio.sleep(0.25)
+        raise AssertionError(f"{topic} could not be created again")
+    finally:
+        await admin.close()
+
+
+async def _delete(bootstrap: str, topic: str) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.delete_topics([topic])
+    finally:
+        await admin.close()
+
+
+async def _write(bootstrap: str, topic: str, records: list[tuple[str, bytes | None]]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        for key, value in records:
+            await producer.send_and_wait(topic, value, key=key.encode(), partition=0)
+    finally:
+        await producer.stop()
+
+
+async def _restore(store: RocksDBStore, bootstrap: str) -> tuple[int, int, int]:
+    report = await store.restore(bootstrap, [0])
+    return report.records, report.from_checkpoint, report.full
+
+
+def _held(store: RocksDBStore | MemoryStore) -> dict[str, bytes]:
+    return {key: state.SerializeToString() for key, state in store.items()}
+
+
+async def test_the_store_resumes_from_its_checkpoint_and_refuses_one_not_this_topics(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    topic = f"ckpt-{uuid.uuid4().hex[:8]}"
+    await _create(kafka_bootstrap, topic)
+    await _write(kafka_bootstrap, topic, [(f"e{i}", _state(f"e{i}", i)) for i in range(40)])
+    store = RocksDBStore(topic, directory=tmp_path)
+    # From empty: the whole partition.
+    assert await _restore(store, kafka_bootstrap) == (40, 0, 1)
+    assert len(store) == 40
+    store.close()
+    # Restarted with a checkpoint at the end: nothing to read.
+    assert await _restore(store, kafka_bootstrap) == (0, 1, 0)
+    assert len(store) == 40
+    store.close()
+    # The tail only: 5 records (2 new keys, 2 changed, 1 tombstone), applied over the database.
+    tail: list[tuple[str, bytes | None]] = [("e40", _state("e40", 1)), ("e41", _state("e41", 2))]
+    tail += [("e0", _state("e0", 2)), ("e1", _state("e1", 0)), ("e2", None)]
+    await _write(kafka_bootstrap, topic, tail)
+    assert await _restore(store, kafka_bootstrap) == (5, 1, 0)
+    memory = MemoryStore(topic)
+    await memory.restore(kafka_bootstrap, [0])
+    assert _held(store) == _held(memory) and len(store) == 41
+    store.close()
+
+    # An older format's checkpoint is refused: a full restore, the same states.
+    db = tmp_path / topic / "0"
+    found = _checkpoint(db)
+    _set_checkpoint(db, {**found, "format": STATE_FORMAT_VERSION - 1})
+    assert await _restore(store, kafka_bootstrap) == (45, 0, 1)
+    assert _held(store) == _held(memory)
+    store.close()
+
+    # Another topic's database and checkpoint (copied under this topic's name) are refused.
+    other = f"ckpt-other-{uuid.uuid4().hex[:8]}"
+    await _create(kafka_bootstrap, other)
+    await _write(kafka_bootstrap, other, [("x", _state("x", 0))])
+    shutil.copytree(db, tmp_path / other / "0")
+    foreign = RocksDBStore(other, directory=tmp_path)
+    assert await _restore(foreign, kafka_bootstrap) == (1, 0, 1)
+    assert list(_held(foreign)) == ["x"]
+    foreign.close()
+
+    # The topic deleted and created again with more records than the checkpoint's offset: the
+    # offset alone would pass; the topic id does not. Nothing of the old topic stays.
+    await _delete(kafka_bootstrap, topic)
+    await _create(kafka_bootstrap, topic)
+    await _write(kafka_bootstrap, topic, [(f"n{i}", _state(f"n{i}", i)) for i in range(60)])
+    assert await _restore(store, kafka_bootstrap) == (60, 0, 1)
+    assert sorted(_held(store)) == sorted(f"n{i}" for i in range(60))
+    store.close()
+
+
+def _checkpoint(db: Path) -> dict[str, object]:
+    from rocksdict import Options, Rdict
+
+    opened = Rdict(str(db), Options(raw_mode=True))
+    try:
+        raw = opened.get(_CHECKPOINT)
+        assert raw is not None
+        found: dict[str, object] = json.loads(raw)
+        return found
+    finally:
+        opened.close()
+
+
+def _set_checkpoint(db: Path, body: dict[str, object]) -> None:
+    from rocksdict import Options, Rdict
+
+    opened = Rdict(str(db), Options(raw_mode=True))
+    try:
+        opened.put(_CHECKPOINT, json.dumps(body).encode())
+    finally:
+        opened.close()
+
+
+async def _ends(bootstrap: str, topic: str) -> dict[int, int]:
+    reader = ChangelogReader(bootstrap, topic, [0, 1])
+    async with reader:
+        return {p: b.end for p, b in (await reader.bounds()).items()}
+
+
+def _restored(caplog: pytest.LogCaptureFixture) -> list[tuple[int, int]]:
+    """(records read, partitions resumed from a checkpoint) of each "state restored" line."""
+    return [
+        (r.records, r.fromCheckpoint)  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.getMessage() == "state restored" and hasattr(r, "fromCheckpoint")
+    ]
+
+
+async def test_a_pod_restarted_with_a_checkpoint_reads_only_the_tail_and_holds_what_a_full_restore_holds(
+    kafka_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="sandbox_lanes.state")
+    env = memory_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_LANES_STATE_STORE="rocksdb",
+        SANDBOX_LANES_STATE_DIR=str(tmp_path / "state"),
+    )
+    topics = load_settings(env).topics
+    first = [f"wfx_ckpt_{i}" for i in range(20)]
+    later = [f"wfx_ckpt_later_{i}" for i in range(10)]
+    async with running_pod(env):
+        await produce(kafka_bootstrap, env, *(wf_created(e) for e in first))
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=20, timeout_s=90, settle_s=0)
+    # Stopped: its checkpoints are at the state topic's end (its own writes proven).
+    disk = RocksDBStore(topics.state, directory=tmp_path / "state")
+    disk.adopt([0, 1])
+    checkpoints = {p: disk.checkpoint_of(p) for p in (0, 1)}
+    disk.close()
+    full = MemoryStore(topics.state)
+    await full.restore(kafka_bootstrap, [0, 1])
+    ends = await _ends(kafka_bootstrap, topics.state)
+    assert {p: c and c["offset"] for p, c in checkpoints.items()} == ends
+    caplog.clear()
+    async with running_pod(env) as composed:
+        # What was written since (the pod's start writes its lane configuration there) is the tail.
+        tail = [r for r in await read_all(kafka_bootstrap, topics.state) if r.offset >= ends[r.partition]]
+        assert _restored(caplog) == [(len(tail), 2)]  # both partitions from their checkpoint
+        await produce(kafka_bootstrap, env, *(wf_created(e) for e in later))
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=30, timeout_s=90, settle_s=0)
+        held = dict(composed.pod.states.items())
+    full = MemoryStore(topics.state)
+    await full.restore(kafka_bootstrap, [0, 1])
+    assert held == dict(full.items())
+    assert_one_outcome_each(
+        await committed_outcomes(kafka_bootstrap, topics.outcomes),
+        first + later,
+        outcomes_pb2.SandboxProvisioned,
+    )
+
+
+async def test_a_pod_killed_between_its_commits_and_its_checkpoint_loses_and_duplicates_nothing(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    env = memory_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_LANES_STATE_STORE="rocksdb",
+        SANDBOX_LANES_STATE_DIR=str(tmp_path / "state"),
+        SANDBOX_LANES_DRIVER_OPTIONS="ensure_latency_ms=20",
+    )
+    topics = load_settings(env).topics
+    executions = [f"wfx_kill_{i}" for i in range(200)]
+    first = PodProcess(env, tmp_path / "pod-1.log")
+    first.start()
+    await first.wait_for_log("state restored")
+    await produce(kafka_bootstrap, env, *(wf_created(e) for e in executions))
+    # Killed while it commits (outcomes still coming): its last commits are past its checkpoint.
+    await read_topic(kafka_bootstrap, topics.outcomes, at_least=20, timeout_s=60, settle_s=0)
+    first.kill9()
+    second = PodProcess({**env, "SANDBOX_LANES_POD_ID": "pod-b"}, tmp_path / "pod-2.log")
+    second.start()
+    try:
+        await second.wait_for_log("state restored")
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=200, timeout_s=120, settle_s=0)
+    finally:
+        code, _ = second.terminate()
+    assert code == 0
+    restored = [json.loads(line) for line in second.log().splitlines() if '"state restored"' in line]
+    assert restored, second.log()[-2000:]
+    # The premise: it resumed from a checkpoint and read a tail (the commits after it).
+    assert sum(r["fromCheckpoint"] for r in restored) >= 1 and sum(r["records"] for r in restored) > 0
+    assert_one_outcome_each(
+        await committed_outcomes(kafka_bootstrap, topics.outcomes),
+        executions,
+        outcomes_pb2.SandboxProvisioned,
+    )
+    # What the disk store holds is what the topic holds, state for state.
+    disk = RocksDBStore(topics.state, directory=tmp_path / "state")
+    disk.adopt([0, 1])
+    full = MemoryStore(topics.state)
+    await full.restore(kafka_bootstrap, [0, 1])
+    try:
+        assert _held(disk) == _held(full)
+        assert Counter(k for k, _ in disk.items() if k.startswith("wfx_")) == Counter(executions)
+    finally:
+        disk.close()
