@@ -1,4 +1,5 @@
-"""Figure 5: state-store restore from the compacted topic (10k/100k/1M executions) in a child process."""
+"""Figure 5: state-store restore from the compacted topic (10k/100k/1M executions) in a child process;
+beside the memory store, the RocksDB store: from empty, restarted with a checkpoint (issue 38)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import argparse
 import asyncio
 import logging
 import multiprocessing
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from consumers.ops.progress import progress
@@ -107,12 +110,15 @@ async def _write_states(bootstrap: str, topic: str, n: int, partitions: int, sho
     return time.perf_counter() - started
 
 
-def _restore_child(bootstrap: str, topic: str, partitions: int, conn: Any) -> None:
-    """Child process: restore every partition of ``topic``; report time, keys and peak RSS."""
+def _restore_child(
+    bootstrap: str, topic: str, partitions: int, conn: Any, kind: str = "memory", directory: str = ""
+) -> None:
+    """Child process: restore every partition of ``topic`` into a ``kind`` store; report time, keys,
+    peak RSS, the RSS with the states held, and (a disk store) its bytes on disk."""
     try:
-        from consumers.runtime.state.store import MemoryStore
+        from consumers.runtime.state.store import open_store
 
-        store = MemoryStore(topic)
+        store = open_store("rocksdb" if kind == "rocksdb" else "memory", topic, 0.0, directory or None)
         baseline = read_status("VmRSS")
         report = asyncio.run(store.restore(bootstrap, range(partitions), isolation_level="read_uncommitted"))
         conn.send(
@@ -120,14 +126,108 @@ def _restore_child(bootstrap: str, topic: str, partitions: int, conn: Any) -> No
                 "seconds": report.seconds,
                 "records": report.records,
                 "keys": len(store),
+                "from_checkpoint": report.from_checkpoint,
                 "rss_baseline_bytes": baseline,
                 "rss_peak_bytes": read_status("VmHWM"),
+                "rss_held_bytes": read_status("VmRSS"),
+                "disk_bytes": _disk_bytes(Path(directory)) if directory else 0,
             }
         )
+        store.close()
     except BaseException as exc:
         conn.send({"error": f"{type(exc).__name__}: {exc}"})
     finally:
         conn.close()
+
+
+def _disk_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def _apply_child(kind: str, directory: str, n: int, conn: Any) -> None:
+    """Child process: ``n`` states applied as committed transactions of 50 writes each into one
+    partition of a ``kind`` store (what the pod does after each commit); states per second."""
+    try:
+        from consumers.runtime.state.memory import MemoryStore
+        from consumers.runtime.state.rocksdb import RocksDBStore
+        from consumers.runtime.state.store import StateStore
+
+        template = _state_template()
+        store: StateStore
+        if kind == "rocksdb":
+            disk = RocksDBStore("bench-apply", 0.0, directory=directory)
+            disk.adopt([0])
+            store = disk
+        else:
+            store = MemoryStore("bench-apply")
+        states = []
+        for i in range(n):
+            state = type(template)()
+            state.CopyFrom(template)
+            state.execution_id = f"exec-{i:08d}"
+            states.append(state)
+        started = time.perf_counter()
+        for i in range(0, n, 50):
+            store.apply(0, {s.execution_id: s for s in states[i : i + 50]})
+        seconds = time.perf_counter() - started
+        store.close()
+        conn.send({"seconds": seconds, "states_per_s": n / seconds})
+    except BaseException as exc:
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()
+
+
+async def _in_child(ctx: Any, target: Any, *args: Any) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=target, args=(*args[:-1], child, *args[-1]))
+    proc.start()
+    child.close()
+    result: dict[str, Any] = await loop.run_in_executor(None, recv, parent, 900.0)
+    await loop.run_in_executor(None, proc.join, 60)
+    if "error" in result:
+        raise RuntimeError(result["error"])
+    return result
+
+
+async def _disk_rows(
+    ctx: Any, bootstrap: str, topic: str, n: int, partitions: int, repeats: int, memory: dict[str, Any]
+) -> dict[str, Any]:
+    """The RocksDB store beside the memory store's runs of the same size (issue 38): a restore from
+    empty, restarts with a checkpoint, the RSS with the states held, bytes on disk, apply throughput;
+    each also as a ratio to the memory store in the same run."""
+    mib = 1024 * 1024
+    with tempfile.TemporaryDirectory(prefix="bench-state-") as tmp:
+        empty = await _in_child(ctx, _restore_child, bootstrap, topic, partitions, ("rocksdb", tmp))
+        restarts = [
+            await _in_child(ctx, _restore_child, bootstrap, topic, partitions, ("rocksdb", tmp))
+            for _ in range(repeats)
+        ]
+    if empty["keys"] != n or any(r["keys"] != n or r["records"] != 0 for r in restarts):
+        raise RuntimeError(f"disk restore of {n}: {empty['keys']} keys, restarts {restarts}")
+    applied = min(n, 100_000)
+    with tempfile.TemporaryDirectory(prefix="bench-apply-") as tmp:
+        apply_memory = await _in_child(ctx, _apply_child, "memory", tmp, applied, ())
+        apply_disk = await _in_child(ctx, _apply_child, "rocksdb", tmp, applied, ())
+    memory_s = memory["seconds"]["median"]
+    memory_held = memory["rss_held_mib"]["median"]
+    restart_s = summary([r["seconds"] for r in restarts])
+    restart_held = summary([r["rss_held_bytes"] / mib for r in restarts])
+    return {
+        "restore_from_empty_seconds": empty["seconds"],
+        "restore_from_empty_vs_memory": empty["seconds"] / memory_s,
+        "restart_with_checkpoint_seconds": restart_s,
+        "restart_with_checkpoint_vs_memory_restore": restart_s["median"] / memory_s,
+        "rss_held_mib": restart_held,
+        "rss_held_vs_memory": restart_held["median"] / memory_held,
+        "rss_peak_from_empty_mib": empty["rss_peak_bytes"] / mib,
+        "disk_bytes_per_state": empty["disk_bytes"] / n,
+        "apply_states": applied,
+        "apply_states_per_s": apply_disk["states_per_s"],
+        "apply_states_per_s_memory": apply_memory["states_per_s"],
+        "apply_vs_memory": apply_disk["states_per_s"] / apply_memory["states_per_s"],
+    }
 
 
 async def measure_restore(args: argparse.Namespace, bootstrap: str, show: bool) -> dict[str, Any]:
@@ -170,6 +270,15 @@ async def measure_restore(args: argparse.Namespace, bootstrap: str, show: bool) 
                         raise RuntimeError(f"restore of {n} executions found {result['keys']} keys")
                     runs.append(result)
                     bar.advance()
+            disk = None
+            if getattr(args, "restore_disk", True):
+                memory = {
+                    "seconds": summary([r["seconds"] for r in runs]),
+                    "rss_held_mib": summary([r["rss_held_bytes"] / (1024 * 1024) for r in runs]),
+                }
+                with progress(f"restore {n:,} (rocksdb)", 1, enabled=show) as bar:
+                    disk = await _disk_rows(ctx, bootstrap, topic, n, args.partitions, args.repeats, memory)
+                    bar.advance()
         finally:
             await delete_topics(bootstrap, [topic])
         mib = 1024 * 1024
@@ -184,5 +293,8 @@ async def measure_restore(args: argparse.Namespace, bootstrap: str, show: bool) 
             "rss_per_execution_bytes": summary(
                 [(r["rss_peak_bytes"] - r["rss_baseline_bytes"]) / n for r in runs]
             ),
+            "rss_held_mib": summary([r["rss_held_bytes"] / mib for r in runs]),
         }
+        if disk is not None:
+            out["sizes"][str(n)]["disk"] = disk
     return out
