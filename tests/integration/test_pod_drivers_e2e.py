@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import secrets
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -235,8 +236,12 @@ async def test_pod_with_the_kubernetes_driver_runs_a_runner_pod_removes_it_and_r
     settings = load_settings(env)
     core, apps = client.CoreV1Api(node_admin), client.AppsV1Api(node_admin)
     base = sandbox_base_name("workflow", execution_id)
-    # A runner left behind by someone else's crash: our labels, no execution state.
-    leaker = new_kubernetes_provisioner(node_driver_config(ns, kube_node.kubeconfig_path), LOG)
+    # A runner left behind by a crashed pod of this installation (the pod's, from its group): our
+    # labels, no execution state.
+    leaker = new_kubernetes_provisioner(
+        replace(node_driver_config(ns, kube_node.kubeconfig_path), installation=settings.driver.installation),
+        LOG,
+    )
     await leaker.ensure("workflow", orphan, SandboxEnvironment(task_queue=f"wfexec:{orphan}"))
     await leaker.close()
     await wait_for("the orphan's runner pod", lambda: running_runner_pod(core, ns, orphan))
