@@ -432,6 +432,27 @@ def decode_input(
     return message
 
 
+#: The state-topic key of a lane configuration record (``LaneConfigApplied``), by fingerprint.
+LANE_CONFIG_KEY_PREFIX: Final = "lane-config/"
+
+
+def lane_config_key(fingerprint: str) -> str:
+    return LANE_CONFIG_KEY_PREFIX + fingerprint
+
+
+def is_lane_config_key(key: str) -> bool:
+    """A state-topic key that holds a configuration record, not an execution's state."""
+    return key.startswith(LANE_CONFIG_KEY_PREFIX)
+
+
+def lane_config_record(applied: state_pb2.LaneConfigApplied) -> state_pb2.ExecutionState:
+    """The state-topic value of a configuration record: an ``ExecutionState`` with only its key and
+    ``lane_config`` set, so every reader of the state topic parses it (and nothing acts on it)."""
+    state = state_pb2.ExecutionState(execution_id=lane_config_key(applied.fingerprint))
+    state.lane_config.CopyFrom(applied)
+    return state
+
+
 def decode_state(value: bytes) -> state_pb2.ExecutionState:
     state = state_pb2.ExecutionState()
     state.ParseFromString(value)

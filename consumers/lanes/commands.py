@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal, NamedTuple
 
 from consumers.lanes.credentials import SandboxCredentialRequest
@@ -31,6 +34,100 @@ class LaneConfig:
     workflow: WorkflowExecutionTemporalConfig = field(default_factory=WorkflowExecutionTemporalConfig)
     driver_name: str = ""
     source: str = "sandbox-lanes"
+    #: Stamp :attr:`fingerprint` on every state and outcome the rules produce (the pod's and
+    #: replay's configs do; the rule tests pin records without it).
+    stamp_fingerprint: bool = False
+    #: Allowances the runtime applies around the rules that change what is decided (None: not
+    #: known here, e.g. the rule tests): an input's ``occurred_at`` this far ahead of its record time
+    #: is dead-lettered; a finished state is tombstoned this long after its last input.
+    max_clock_ahead_s: float | None = None
+    state_retention_s: float | None = None
+
+    def settings(self) -> dict[str, str]:
+        """Every setting the rules read, by its environment variable (nothing secret; ``source``,
+        the pod's name, is not one: it changes no decision)."""
+        agent, workflow = self.agent, self.workflow
+        return {
+            "SANDBOX_PROVISIONER_TYPE": self.driver_name,
+            "lane enabled": "true" if self.enabled else "false",
+            "STIGMER_ACTIVITY_ROUTING": agent.activity_routing,
+            "STIGMER_DEFAULT_EXECUTION_TARGET": agent.default_execution_target,
+            "TEMPORAL_AGENT_EXECUTION_RUNNER_TASK_QUEUE": agent.runner_queue,
+            "agent stigmer queue": agent.stigmer_queue,
+            "STIGMER_WORKFLOW_ACTIVITY_ROUTING": workflow.workflow_activity_routing,
+            "STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET": workflow.default_execution_target,
+            "TEMPORAL_WORKFLOW_EXECUTION_RUNNER_TASK_QUEUE": workflow.runner_queue,
+            "workflow stigmer queue": workflow.stigmer_queue,
+            **(
+                {}
+                if self.max_clock_ahead_s is None
+                else {"SANDBOX_LANES_MAX_CLOCK_AHEAD_S": f"{self.max_clock_ahead_s:g}"}
+            ),
+            **(
+                {}
+                if self.state_retention_s is None
+                else {"SANDBOX_LANES_STATE_RETENTION_S": f"{self.state_retention_s:g}"}
+            ),
+        }
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """A stable hash of :meth:`settings`: 16 hex digits of SHA-256 over their sorted JSON."""
+        text = json.dumps(self.settings(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def applied(self) -> state_pb2.LaneConfigApplied:
+        """The configuration record's content (``pod_id`` and ``applied_at`` are the writer's)."""
+        agent, workflow = self.agent, self.workflow
+        applied = state_pb2.LaneConfigApplied(
+            fingerprint=self.fingerprint,
+            enabled=self.enabled,
+            driver_name=self.driver_name,
+            agent_stigmer_queue=agent.stigmer_queue,
+            agent_runner_queue=agent.runner_queue,
+            agent_activity_routing=agent.activity_routing,
+            agent_default_execution_target=agent.default_execution_target,
+            workflow_stigmer_queue=workflow.stigmer_queue,
+            workflow_runner_queue=workflow.runner_queue,
+            workflow_activity_routing=workflow.workflow_activity_routing,
+            workflow_default_execution_target=workflow.default_execution_target,
+        )
+        if self.max_clock_ahead_s is not None:
+            applied.max_clock_ahead_s = self.max_clock_ahead_s
+        if self.state_retention_s is not None:
+            applied.state_retention_s = self.state_retention_s
+        return applied
+
+    @classmethod
+    def from_applied(
+        cls, record: state_pb2.LaneConfigApplied, *, source: str = "sandbox-lanes", stamp: bool = True
+    ) -> LaneConfig:
+        """The configuration a :class:`LaneConfigApplied` record names (replay re-derives under it)."""
+        return cls(
+            enabled=record.enabled,
+            agent=AgentExecutionTemporalConfig(
+                record.agent_stigmer_queue,
+                record.agent_runner_queue,
+                record.agent_activity_routing,
+                record.agent_default_execution_target,
+            ),
+            workflow=WorkflowExecutionTemporalConfig(
+                record.workflow_stigmer_queue,
+                record.workflow_runner_queue,
+                record.workflow_activity_routing,
+                record.workflow_default_execution_target,
+            ),
+            driver_name=record.driver_name,
+            source=source,
+            stamp_fingerprint=stamp,
+            max_clock_ahead_s=record.max_clock_ahead_s if record.HasField("max_clock_ahead_s") else None,
+            state_retention_s=record.state_retention_s if record.HasField("state_retention_s") else None,
+        )
+
+
+def changed_settings(a: Mapping[str, str], b: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """``{setting: (a's value, b's value)}`` for every setting the two configurations set apart."""
+    return {k: (a.get(k, ""), b.get(k, "")) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
 # The per-event value types are NamedTuples: immutable and compared by value like the frozen

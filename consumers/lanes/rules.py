@@ -83,6 +83,8 @@ def decide(event: InputEvent, stored: StateView, config: LaneConfig) -> Decision
     if decision.commands:
         assert decision.state is not None  # commands always come with a state
         fill_pending(decision.state, event, decision.commands)
+    if config.stamp_fingerprint and decision.state is not None:
+        decision.state.config_fingerprint = config.fingerprint  # the configuration it was made under
     return decision
 
 
@@ -389,6 +391,8 @@ def _fold(
     if index < 0:
         return None, ()
     entry = pending[index]
+    if config.stamp_fingerprint:
+        state.config_fingerprint = config.fingerprint
     command = command_of(entry)
     occurred_at = entry.occurred_at if entry.HasField("occurred_at") else None
     causation_id = entry.causation_id
@@ -440,6 +444,8 @@ def _fill_meta(
     meta.schema_version = STATE_SCHEMA_VERSION
     meta.source = config.source
     meta.causation_id = causation_id
+    if config.stamp_fingerprint:
+        meta.config_fingerprint = config.fingerprint
     if occurred_at is not None:
         meta.occurred_at.CopyFrom(occurred_at)
     return event_id

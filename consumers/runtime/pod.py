@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, TypeVar
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
@@ -30,6 +30,7 @@ from aiokafka.partitioner import murmur2
 
 from consumers.lanes.commands import Command, CommandResult, Ensure
 from consumers.runtime.backpressure import FetchThrottle
+from consumers.runtime.config_log import record_lane_config
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
 from consumers.runtime.episode import Episode
@@ -242,6 +243,14 @@ class Pod:
             await prepare_pod_topics(admin, cfg.topics, cfg.replication, create=cfg.create_topics)
         finally:
             await admin.close()
+        # Issue 35: every decision carries its configuration's fingerprint; the log holds the configuration.
+        self.processor.config = replace(
+            self.processor.config,
+            stamp_fingerprint=True,
+            max_clock_ahead_s=cfg.max_clock_ahead_s,
+            state_retention_s=cfg.state_retention_s,
+        )
+        await record_lane_config(cfg, self.processor.config)
         producer_options = producer_options_for(cfg)
         self._consumer = group_consumer_for(cfg)
         await self._consumer.start()

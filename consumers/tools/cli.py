@@ -219,6 +219,11 @@ MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "audit replay: re-derive every decision from the inputs and compare",
     ),
     (
+        "explain",
+        "consumers.tools.explain",
+        "one execution's (or session's) story: inputs, rules, effects, outcomes, dead letters, states",
+    ),
+    (
         "reap",
         "consumers.tools.reaper",
         "list (and with --apply remove) managed sandboxes whose execution is over",

@@ -21,6 +21,7 @@ SUBCOMMANDS = [
     "produce",
     "tail",
     "replay",
+    "explain",
     "reap",
     "topics",
     "bench",

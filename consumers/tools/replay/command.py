@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the driver name the pod recorded in sandbox refs (default: SANDBOX_PROVISIONER_TYPE)",
     )
     parser.add_argument("--show", type=int, default=20, help="print at most this many divergences")
+    parser.add_argument(
+        "--with-current-config",
+        action="store_true",
+        help="re-derive every decision under this shell's configuration (the environment, or the global "
+        "--config FILE) instead of the one each decision recorded; what that changes is config_changed",
+    )
 
 
 def _time_argument(text: str) -> str:
@@ -73,6 +79,9 @@ def lane_config(settings: Settings, driver_name: str | None = None) -> LaneConfi
         workflow=settings.workflow,
         driver_name=driver_name or settings.provisioner_type,
         source=f"sandbox-lanes/{settings.pod_id}/replay",
+        stamp_fingerprint=True,
+        max_clock_ahead_s=settings.max_clock_ahead_s,
+        state_retention_s=settings.state_retention_s,
     )
 
 
@@ -109,12 +118,35 @@ def summary_table(report: ReplayReport) -> str:
         extras.append(f"{report.after_snapshot} outcomes newer than the input snapshot")
     if extras:
         lines.append("  " + "; ".join(extras))
+    lines.append("  " + config_line(report))
     if by_kind:
         kinds = ", ".join(f"{k}={v}" for k, v in sorted(by_kind.items()))
         lines.append(f"DIVERGED: {len(report.divergences)} divergences ({kinds})")
     else:
         lines.append("no divergence: every recorded decision re-derives exactly")
     return "\n".join(lines)
+
+
+def config_line(report: ReplayReport) -> str:
+    by_config = ", ".join(f"{fp}: {n}" for fp, n in sorted(report.decisions_by_config.items()))
+    if report.config_mode == "recorded":
+        head = f"configuration: as recorded ({report.configs_recorded} configuration records)"
+    else:
+        head = (
+            f"configuration: this shell's, for every decision ({report.config_differs} inputs "
+            "decided under another)"
+        )
+    notes = [f"decisions by fingerprint: {by_config or 'none'}"]
+    if report.without_fingerprint:
+        notes.append(
+            f"{report.without_fingerprint} inputs recorded without a fingerprint (current configuration)"
+        )
+    if report.unknown_fingerprint:
+        notes.append(
+            f"{report.unknown_fingerprint} inputs whose fingerprint has no configuration record "
+            "(current configuration)"
+        )
+    return head + "; " + "; ".join(notes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             window=window,
             max_clock_ahead_s=settings.max_clock_ahead_s,
             security=settings.kafka_security,
+            use_recorded_config=not args.with_current_config,
         )
     )
     print(summary_table(report))

@@ -52,10 +52,14 @@ def _flat(message: Message) -> dict[str, Any]:
 
 
 def field_diff(derived: Message, recorded: Message) -> dict[str, dict[str, Any]]:
-    """``{field path: {derived, recorded}}`` of two messages (``meta.source`` excluded)."""
+    """``{field path: {derived, recorded}}`` of two messages (``meta.source`` and the configuration
+    fingerprints excluded)."""
     a, b = _flat(derived), _flat(recorded)
-    a.pop("meta.source", None)
-    b.pop("meta.source", None)
+    for ignored in ("meta.source", "meta.config_fingerprint", "config_fingerprint"):
+        # Who wrote it, and under which configuration (replay re-derives under the configuration
+        # the fingerprint names, or reports ``config_changed`` when told to use another).
+        a.pop(ignored, None)
+        b.pop(ignored, None)
     if type(derived) is not type(recorded):
         a["@type"], b["@type"] = type(derived).__name__, type(recorded).__name__
     return {
@@ -75,6 +79,8 @@ class Divergence:
     type: str = ""
     source: dict[str, Any] = field(default_factory=dict)
     fields: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: ``config_changed``: each setting that differs, ``{setting: {recorded, replayed}}``.
+    settings: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v not in ("", {}, None)}
@@ -99,6 +105,19 @@ class ReplayReport:
     states_matched: int = 0
     #: Finished executions whose recorded state was tombstoned after its retention.
     states_expired: int = 0
+    #: Under which configuration: "recorded" (each decision under the one its fingerprint names)
+    #: or "current" (``--with-current-config``).
+    config_mode: str = "recorded"
+    #: Configuration records found on the state topic.
+    configs_recorded: int = 0
+    #: Decisions re-derived per configuration fingerprint.
+    decisions_by_config: dict[str, int] = field(default_factory=dict)
+    #: Inputs with no fingerprint on any record (written before issue 35): the current configuration.
+    without_fingerprint: int = 0
+    #: Inputs whose fingerprint has no configuration record: the current configuration.
+    unknown_fingerprint: int = 0
+    #: Decisions made under another configuration than the one replayed (``--with-current-config``).
+    config_differs: int = 0
     window: str = "beginning"
     divergences: list[Divergence] = field(default_factory=list)
 

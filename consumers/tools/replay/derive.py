@@ -11,7 +11,14 @@ from collections.abc import Iterable, Mapping
 
 from aiokafka import ConsumerRecord, TopicPartition
 
-from consumers.lanes.commands import Command, CommandResult, Ensure, LaneConfig, StateView
+from consumers.lanes.commands import (
+    Command,
+    CommandResult,
+    Ensure,
+    LaneConfig,
+    StateView,
+    changed_settings,
+)
 from consumers.lanes.retention import finished
 from consumers.ops.progress import progress
 from consumers.ops.reaper import partitions_of
@@ -41,6 +48,7 @@ from events.codec import (
     decode_state,
     derived_event_id,
     header,
+    is_lane_config_key,
     state_key,
     type_name,
 )
@@ -147,9 +155,16 @@ async def replay(
     show_progress: bool | None = None,
     security: KafkaSecurity = PLAINTEXT,
     max_clock_ahead_s: float | None = None,
+    use_recorded_config: bool = True,
 ) -> ReplayReport:
     """Re-run the rules over the recorded inputs and compare (``max_clock_ahead_s``: the pod's
-    ``SANDBOX_LANES_MAX_CLOCK_AHEAD_S``, so inputs from the future are refused as it refused them)."""
+    ``SANDBOX_LANES_MAX_CLOCK_AHEAD_S``, so inputs from the future are refused as it refused them).
+
+    Each decision is re-derived under the configuration its records name (their fingerprint and the
+    configuration record on the state topic), ``lane`` only where none is recorded; with
+    ``use_recorded_config=False`` every decision is re-derived under ``lane``, and what diverges
+    because a decision was made under another configuration is ``config_changed``, naming the
+    settings that differ."""
     require_codecs()  # a codec it cannot read is an error naming it, not a divergence
     window = window or Window()
     isolation = "read_committed" if guarantee == "exactly_once" else "read_uncommitted"
@@ -159,7 +174,11 @@ async def replay(
     outcome_recs = await read([topics.outcomes])
     dlq_recs = await read([topics.dead_letter])
     state_recs = await read([topics.state])
-    report = ReplayReport(window=window.describe())
+    report = ReplayReport(
+        window=window.describe(), config_mode="recorded" if use_recorded_config else "current"
+    )
+    #: Per input event id: the fingerprint on the records its decision wrote ("" = none on them).
+    evidence: dict[str, str] = {}
 
     # Recorded outcomes by id (in topic order).
     recorded: dict[str, list[RecordedOutcome]] = {}
@@ -180,7 +199,9 @@ async def replay(
                 report.reaper_events += 1
                 continue
             report.recorded_outcomes += 1
-            event_id: str = getattr(message, "meta").event_id  # noqa: B009
+            meta = getattr(message, "meta")  # noqa: B009
+            evidence.setdefault(meta.causation_id, meta.config_fingerprint)
+            event_id: str = meta.event_id
             recorded.setdefault(event_id, []).append(
                 RecordedOutcome(message, rec.topic, rec.partition, rec.offset, rec.timestamp)
             )
@@ -199,18 +220,32 @@ async def replay(
     recorded_states: dict[str, state_pb2.ExecutionState | None] = {}
     #: When each key's state was tombstoned (record timestamps, in topic order).
     tombstoned: dict[str, list[int]] = {}
+    configs: dict[str, LaneConfig] = {}
+    state_evidence: dict[str, str] = {}
     for recs in state_recs.values():
         for rec in recs:
             key = rec.key.decode("utf-8", errors="replace") if rec.key else ""
-            recorded_states[key] = decode_state(rec.value) if rec.value is not None else None
-            if rec.value is None:
+            value = decode_state(rec.value) if rec.value is not None else None
+            if is_lane_config_key(key):
+                if value is not None and value.HasField("lane_config"):
+                    applied = value.lane_config
+                    configs[applied.fingerprint] = LaneConfig.from_applied(applied, source=lane.source)
+                continue
+            recorded_states[key] = value
+            if value is None:
                 tombstoned.setdefault(key, []).append(rec.timestamp)
+            elif value.applied_event_ids:
+                state_evidence.setdefault(value.applied_event_ids[-1], value.config_fingerprint)
+    for event_id, fingerprint in state_evidence.items():
+        if not evidence.get(event_id):
+            evidence[event_id] = fingerprint
+    report.configs_recorded = len(configs)
 
     runner = RecordedRunner(recorded)
     quiet = logging.getLogger("sandbox_lanes.replay.rules")
     quiet.propagate = False
     quiet.addHandler(logging.NullHandler())
-    processor = LaneProcessor(lane, runner, quiet)
+    processors: dict[str, LaneProcessor] = {}
     states: dict[str, state_pb2.ExecutionState] = {}
     touched: set[str] = set()
     derived_dlq: dict[tuple[str, int, int], str] = {}
@@ -220,6 +255,11 @@ async def replay(
     all_inputs: set[str] = set()
     ordered = merged_inputs(inputs_by_tp, topics)
     report.inputs = len(ordered)
+    fingerprint_of = recorded_fingerprints(ordered, evidence)
+    #: Per input event id (and per key), the settings that set its recorded configuration apart.
+    changed: dict[str, dict[str, tuple[str, str]]] = {}
+    changed_keys: dict[str, dict[str, tuple[str, str]]] = {}
+    changed_where: dict[tuple[str, int, int], dict[str, tuple[str, str]]] = {}
 
     with progress("replay", total=len(ordered), enabled=show_progress) as bar:
         for rec in ordered:
@@ -234,13 +274,21 @@ async def replay(
                 if compare:
                     derived_dlq[where] = runtime_reason
                 continue
+            config, differs = _config_for(
+                fingerprint_of.get(where, ""), configs, lane, use_recorded_config, report
+            )
+            if differs:
+                changed_where[where] = differs
             try:
                 event = decode_input(
                     rec.key,
                     rec.value,
                     rec.headers,
                     record_time_ms=rec.timestamp,
-                    max_ahead_s=max_clock_ahead_s,
+                    # The clock allowance the input was judged under (recorded with its configuration).
+                    max_ahead_s=max_clock_ahead_s
+                    if config.max_clock_ahead_s is None
+                    else config.max_clock_ahead_s,
                     topic_carries=topics.carries(rec.topic),
                 )
             except DecodeError as exc:
@@ -256,6 +304,12 @@ async def replay(
                 removed.pop(0)
                 if key in states and finished(states[key]):
                     del states[key]  # its retention passed before this input: a new execution
+            if differs:
+                changed[event.meta.event_id] = differs
+                changed_keys.setdefault(key, {}).update(differs)
+            processor = processors.get(config.fingerprint)
+            if processor is None:
+                processor = processors[config.fingerprint] = LaneProcessor(config, runner, quiet)
             runner.bind(event)
             try:
                 processed = await processor.process(event, StateView(states.get(key), states.get))
@@ -280,6 +334,8 @@ async def replay(
                 continue
             touched.add(key)
             report.decisions += 1
+            by_config = report.decisions_by_config
+            by_config[config.fingerprint] = by_config.get(config.fingerprint, 0) + 1
             for output in outcome.outputs:
                 report.derived_outcomes += 1
                 compare_output(output, recorded, report, rec, key, guarantee)
@@ -311,4 +367,77 @@ async def replay(
 
     compare_dead_letters(derived_dlq, recorded_dlq, inputs_by_tp, window, report)
     compare_states(states, touched, recorded_states, report)
+    report.config_differs = len(changed)
+    _blame_configuration(report, changed, changed_keys, changed_where)
     return report
+
+
+def recorded_fingerprints(
+    ordered: list[ConsumerRecord[bytes, bytes]], evidence: Mapping[str, str]
+) -> dict[tuple[str, int, int], str]:
+    """The configuration fingerprint each input was decided under, by (topic, partition, offset).
+
+    An input whose decision wrote a record (an outcome, a state not yet compacted away) has that
+    record's fingerprint ("" on a record written before fingerprints). One that left none was
+    decided by whoever owned its partition then: the fingerprint of the input before it on the same
+    partition, or, with none before it, of the first one after it. The configuration changes only
+    when a pod starts, so this errs only across a restart on a partition that left no record.
+    """
+    out: dict[tuple[str, int, int], str] = {}
+    by_partition: dict[int, list[tuple[tuple[str, int, int], str | None]]] = {}
+    for rec in ordered:
+        event_id = header(rec.headers, "ce_id") or ""
+        known = evidence.get(event_id) if event_id else None
+        by_partition.setdefault(rec.partition, []).append(((rec.topic, rec.partition, rec.offset), known))
+    for entries in by_partition.values():
+        first = next((fp for _, fp in entries if fp), "")
+        last: str | None = None
+        for where, fp in entries:
+            if fp is not None:
+                last = fp
+            out[where] = fp if fp is not None else (last if last is not None else first)
+    return out
+
+
+def _config_for(
+    fingerprint: str,
+    configs: Mapping[str, LaneConfig],
+    current: LaneConfig,
+    use_recorded: bool,
+    report: ReplayReport,
+) -> tuple[LaneConfig, dict[str, tuple[str, str]]]:
+    """The configuration to re-derive one decision under, and the settings that set it apart from
+    the recorded one (only when replaying under ``current``)."""
+    if not fingerprint:
+        report.without_fingerprint += 1
+        return current, {}
+    recorded = configs.get(fingerprint)
+    if recorded is None:
+        report.unknown_fingerprint += 1
+        return current, {}
+    if use_recorded:
+        return recorded, {}
+    if fingerprint == current.fingerprint:
+        return current, {}
+    return current, changed_settings(recorded.settings(), current.settings())
+
+
+def _blame_configuration(
+    report: ReplayReport,
+    changed: Mapping[str, dict[str, tuple[str, str]]],
+    changed_keys: Mapping[str, dict[str, tuple[str, str]]],
+    changed_where: Mapping[tuple[str, int, int], dict[str, tuple[str, str]]],
+) -> None:
+    """A divergence of a decision made under another configuration is ``config_changed``."""
+    for d in report.divergences:
+        settings = changed.get(d.causation_id)
+        if settings is None and d.kind in ("state_mismatch", "unexpected_state"):
+            settings = changed_keys.get(d.key)
+        if settings is None and "dead_letter" in d.kind and d.source:
+            settings = changed_where.get((d.source["topic"], d.source["partition"], d.source["offset"]))
+        if not settings:
+            continue
+        names = ", ".join(settings)
+        d.detail = f"decided under another configuration ({names}); replayed: {d.kind}: {d.detail}"
+        d.kind = "config_changed"
+        d.settings = {k: {"recorded": a, "replayed": b} for k, (a, b) in settings.items()}

@@ -25,25 +25,25 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$events/sandbox_lanes/v1/common.proto\x12\x10sandbox_lanes.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x8c\x01\n\tEventMeta\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12/\n\x0boccurred_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eschema_version\x18\x03 \x01(\r\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61usation_id\x18\x05 \x01(\t\"\x81\x01\n\nSandboxRef\x12-\n\x05scope\x18\x01 \x01(\x0e\x32\x1e.sandbox_lanes.v1.SandboxScope\x12\x12\n\nsandbox_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06\x64river\x18\x04 \x01(\t\x12\x12\n\ntask_queue\x18\x05 \x01(\t*I\n\x0f\x45xecutionTarget\x12 \n\x1c\x45XECUTION_TARGET_UNSPECIFIED\x10\x00\x12\t\n\x05LOCAL\x10\x01\x12\t\n\x05\x43LOUD\x10\x02*\xdb\x01\n\x0e\x45xecutionPhase\x12\x1f\n\x1b\x45XECUTION_PHASE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45XECUTION_PENDING\x10\x01\x12\x19\n\x15\x45XECUTION_IN_PROGRESS\x10\x02\x12\x17\n\x13\x45XECUTION_COMPLETED\x10\x03\x12\x14\n\x10\x45XECUTION_FAILED\x10\x04\x12\x17\n\x13\x45XECUTION_CANCELLED\x10\x05\x12\x18\n\x14\x45XECUTION_TERMINATED\x10\x06\x12\x14\n\x10\x45XECUTION_PAUSED\x10\x07*\\\n\rExecutionKind\x12\x1e\n\x1a\x45XECUTION_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x41GENT_EXECUTION\x10\x01\x12\x16\n\x12WORKFLOW_EXECUTION\x10\x02*\x7f\n\x0cSandboxScope\x12\x1d\n\x19SANDBOX_SCOPE_UNSPECIFIED\x10\x00\x12\x19\n\x15SANDBOX_SCOPE_SESSION\x10\x01\x12\x1a\n\x16SANDBOX_SCOPE_WORKFLOW\x10\x02\x12\x19\n\x15SANDBOX_SCOPE_CONNECT\x10\x03*|\n\nStatusCode\x12\x12\n\x0eSTATUS_CODE_OK\x10\x00\x12#\n\x1fSTATUS_CODE_FAILED_PRECONDITION\x10\t\x12\x18\n\x14STATUS_CODE_INTERNAL\x10\r\x12\x1b\n\x17STATUS_CODE_UNAVAILABLE\x10\x0e\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$events/sandbox_lanes/v1/common.proto\x12\x10sandbox_lanes.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa8\x01\n\tEventMeta\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\t\x12/\n\x0boccurred_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x16\n\x0eschema_version\x18\x03 \x01(\r\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\x14\n\x0c\x63\x61usation_id\x18\x05 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x06 \x01(\t\"\x81\x01\n\nSandboxRef\x12-\n\x05scope\x18\x01 \x01(\x0e\x32\x1e.sandbox_lanes.v1.SandboxScope\x12\x12\n\nsandbox_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06\x64river\x18\x04 \x01(\t\x12\x12\n\ntask_queue\x18\x05 \x01(\t*I\n\x0f\x45xecutionTarget\x12 \n\x1c\x45XECUTION_TARGET_UNSPECIFIED\x10\x00\x12\t\n\x05LOCAL\x10\x01\x12\t\n\x05\x43LOUD\x10\x02*\xdb\x01\n\x0e\x45xecutionPhase\x12\x1f\n\x1b\x45XECUTION_PHASE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45XECUTION_PENDING\x10\x01\x12\x19\n\x15\x45XECUTION_IN_PROGRESS\x10\x02\x12\x17\n\x13\x45XECUTION_COMPLETED\x10\x03\x12\x14\n\x10\x45XECUTION_FAILED\x10\x04\x12\x17\n\x13\x45XECUTION_CANCELLED\x10\x05\x12\x18\n\x14\x45XECUTION_TERMINATED\x10\x06\x12\x14\n\x10\x45XECUTION_PAUSED\x10\x07*\\\n\rExecutionKind\x12\x1e\n\x1a\x45XECUTION_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x41GENT_EXECUTION\x10\x01\x12\x16\n\x12WORKFLOW_EXECUTION\x10\x02*\x7f\n\x0cSandboxScope\x12\x1d\n\x19SANDBOX_SCOPE_UNSPECIFIED\x10\x00\x12\x19\n\x15SANDBOX_SCOPE_SESSION\x10\x01\x12\x1a\n\x16SANDBOX_SCOPE_WORKFLOW\x10\x02\x12\x19\n\x15SANDBOX_SCOPE_CONNECT\x10\x03*|\n\nStatusCode\x12\x12\n\x0eSTATUS_CODE_OK\x10\x00\x12#\n\x1fSTATUS_CODE_FAILED_PRECONDITION\x10\t\x12\x18\n\x14STATUS_CODE_INTERNAL\x10\r\x12\x1b\n\x17STATUS_CODE_UNAVAILABLE\x10\x0e\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'events.sandbox_lanes.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_EXECUTIONTARGET']._serialized_start=366
-  _globals['_EXECUTIONTARGET']._serialized_end=439
-  _globals['_EXECUTIONPHASE']._serialized_start=442
-  _globals['_EXECUTIONPHASE']._serialized_end=661
-  _globals['_EXECUTIONKIND']._serialized_start=663
-  _globals['_EXECUTIONKIND']._serialized_end=755
-  _globals['_SANDBOXSCOPE']._serialized_start=757
-  _globals['_SANDBOXSCOPE']._serialized_end=884
-  _globals['_STATUSCODE']._serialized_start=886
-  _globals['_STATUSCODE']._serialized_end=1010
+  _globals['_EXECUTIONTARGET']._serialized_start=394
+  _globals['_EXECUTIONTARGET']._serialized_end=467
+  _globals['_EXECUTIONPHASE']._serialized_start=470
+  _globals['_EXECUTIONPHASE']._serialized_end=689
+  _globals['_EXECUTIONKIND']._serialized_start=691
+  _globals['_EXECUTIONKIND']._serialized_end=783
+  _globals['_SANDBOXSCOPE']._serialized_start=785
+  _globals['_SANDBOXSCOPE']._serialized_end=912
+  _globals['_STATUSCODE']._serialized_start=914
+  _globals['_STATUSCODE']._serialized_end=1038
   _globals['_EVENTMETA']._serialized_start=92
-  _globals['_EVENTMETA']._serialized_end=232
-  _globals['_SANDBOXREF']._serialized_start=235
-  _globals['_SANDBOXREF']._serialized_end=364
+  _globals['_EVENTMETA']._serialized_end=260
+  _globals['_SANDBOXREF']._serialized_start=263
+  _globals['_SANDBOXREF']._serialized_end=392
 # @@protoc_insertion_point(module_scope)

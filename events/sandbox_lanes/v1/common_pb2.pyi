@@ -136,10 +136,15 @@ class EventMeta(_message.Message):
     SCHEMA_VERSION_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     CAUSATION_ID_FIELD_NUMBER: _builtins.int
+    CONFIG_FINGERPRINT_FIELD_NUMBER: _builtins.int
     event_id: _builtins.str
     schema_version: _builtins.int
     source: _builtins.str
     causation_id: _builtins.str
+    config_fingerprint: _builtins.str
+    """On an outcome: the fingerprint of the lane configuration its decision was made under (see
+    LaneConfigApplied in state.proto); empty on inputs and on records written before issue 35.
+    """
     @_builtins.property
     def occurred_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -150,10 +155,11 @@ class EventMeta(_message.Message):
         schema_version: _builtins.int = ...,
         source: _builtins.str = ...,
         causation_id: _builtins.str = ...,
+        config_fingerprint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["occurred_at", b"occurred_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["causation_id", b"causation_id", "event_id", b"event_id", "occurred_at", b"occurred_at", "schema_version", b"schema_version", "source", b"source"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["causation_id", b"causation_id", "config_fingerprint", b"config_fingerprint", "event_id", b"event_id", "occurred_at", b"occurred_at", "schema_version", b"schema_version", "source", b"source"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -191,6 +191,8 @@ class ExecutionState(_message.Message):
     REFUSED_FIELD_NUMBER: _builtins.int
     REFUSAL_REASON_FIELD_NUMBER: _builtins.int
     SESSION_DELETED_FIELD_NUMBER: _builtins.int
+    CONFIG_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    LANE_CONFIG_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     execution_id: _builtins.str
     kind: _common_pb2.ExecutionKind.ValueType
@@ -220,6 +222,10 @@ class ExecutionState(_message.Message):
     of an execution in a deleted session fails (the session row is gone); here a later create
     or recover of the session lane provisions nothing.
     """
+    config_fingerprint: _builtins.str
+    """The fingerprint of the lane configuration the last decision or fold that wrote this state was
+    made under (LaneConfigApplied.fingerprint); empty on states written before issue 35.
+    """
     @_builtins.property
     def sandboxes(self) -> _containers.RepeatedCompositeFieldContainer[Global___SandboxStatus]: ...
     @_builtins.property
@@ -244,6 +250,10 @@ class ExecutionState(_message.Message):
         arriving later is stale and moves nothing.
         """
 
+    @_builtins.property
+    def lane_config(self) -> Global___LaneConfigApplied:
+        """Set only on a configuration record (key "lane-config/<fingerprint>"), never on an execution's."""
+
     def __init__(
         self,
         *,
@@ -266,11 +276,95 @@ class ExecutionState(_message.Message):
         refused: _builtins.bool = ...,
         refusal_reason: _builtins.str = ...,
         session_deleted: _builtins.bool = ...,
+        config_fingerprint: _builtins.str = ...,
+        lane_config: Global___LaneConfigApplied | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_event", b"created_event", "phase_changed_at", b"phase_changed_at", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_event", b"created_event", "lane_config", b"lane_config", "phase_changed_at", b"phase_changed_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "created", b"created", "created_event", b"created_event", "deferred_status_error", b"deferred_status_error", "execution_id", b"execution_id", "kind", b"kind", "org", b"org", "pending", b"pending", "phase", b"phase", "phase_changed_at", b"phase_changed_at", "refusal_reason", b"refusal_reason", "refused", b"refused", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_deleted", b"session_deleted", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "config_fingerprint", b"config_fingerprint", "created", b"created", "created_event", b"created_event", "deferred_status_error", b"deferred_status_error", "execution_id", b"execution_id", "kind", b"kind", "lane_config", b"lane_config", "org", b"org", "pending", b"pending", "phase", b"phase", "phase_changed_at", b"phase_changed_at", "refusal_reason", b"refusal_reason", "refused", b"refused", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_deleted", b"session_deleted", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExecutionState: _TypeAlias = ExecutionState  # noqa: Y015
+
+@_typing.final
+class LaneConfigApplied(_message.Message):
+    """The lane configuration a pod decides under: every setting the rules read, nothing secret. A pod
+    writes it to the compacted state topic when it starts, keyed "lane-config/<fingerprint>" (the
+    value is an ExecutionState with only execution_id and lane_config set, so every state reader
+    parses it), and compaction keeps one record per configuration for as long as the topic lives.
+    Replay re-derives each decision under the configuration its fingerprint names.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FINGERPRINT_FIELD_NUMBER: _builtins.int
+    ENABLED_FIELD_NUMBER: _builtins.int
+    DRIVER_NAME_FIELD_NUMBER: _builtins.int
+    AGENT_STIGMER_QUEUE_FIELD_NUMBER: _builtins.int
+    AGENT_RUNNER_QUEUE_FIELD_NUMBER: _builtins.int
+    AGENT_ACTIVITY_ROUTING_FIELD_NUMBER: _builtins.int
+    AGENT_DEFAULT_EXECUTION_TARGET_FIELD_NUMBER: _builtins.int
+    WORKFLOW_STIGMER_QUEUE_FIELD_NUMBER: _builtins.int
+    WORKFLOW_RUNNER_QUEUE_FIELD_NUMBER: _builtins.int
+    WORKFLOW_ACTIVITY_ROUTING_FIELD_NUMBER: _builtins.int
+    WORKFLOW_DEFAULT_EXECUTION_TARGET_FIELD_NUMBER: _builtins.int
+    POD_ID_FIELD_NUMBER: _builtins.int
+    APPLIED_AT_FIELD_NUMBER: _builtins.int
+    MAX_CLOCK_AHEAD_S_FIELD_NUMBER: _builtins.int
+    STATE_RETENTION_S_FIELD_NUMBER: _builtins.int
+    fingerprint: _builtins.str
+    """A stable hash of the settings below (consumers.lanes.commands.LaneConfig.fingerprint)."""
+    enabled: _builtins.bool
+    driver_name: _builtins.str
+    agent_stigmer_queue: _builtins.str
+    agent_runner_queue: _builtins.str
+    agent_activity_routing: _builtins.str
+    agent_default_execution_target: _builtins.str
+    workflow_stigmer_queue: _builtins.str
+    workflow_runner_queue: _builtins.str
+    workflow_activity_routing: _builtins.str
+    workflow_default_execution_target: _builtins.str
+    pod_id: _builtins.str
+    """Which pod wrote it, and when (informative: not part of the fingerprint)."""
+    max_clock_ahead_s: _builtins.float
+    """Allowances the runtime applies around the rules that change what is decided: how far an input's
+    occurred_at may run ahead of its record time before it is dead-lettered, and how long a finished
+    execution's state is kept (SANDBOX_LANES_MAX_CLOCK_AHEAD_S, SANDBOX_LANES_STATE_RETENTION_S).
+    """
+    state_retention_s: _builtins.float
+    @_builtins.property
+    def applied_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        fingerprint: _builtins.str = ...,
+        enabled: _builtins.bool = ...,
+        driver_name: _builtins.str = ...,
+        agent_stigmer_queue: _builtins.str = ...,
+        agent_runner_queue: _builtins.str = ...,
+        agent_activity_routing: _builtins.str = ...,
+        agent_default_execution_target: _builtins.str = ...,
+        workflow_stigmer_queue: _builtins.str = ...,
+        workflow_runner_queue: _builtins.str = ...,
+        workflow_activity_routing: _builtins.str = ...,
+        workflow_default_execution_target: _builtins.str = ...,
+        pod_id: _builtins.str = ...,
+        applied_at: _timestamp_pb2.Timestamp | None = ...,
+        max_clock_ahead_s: _builtins.float | None = ...,
+        state_retention_s: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_clock_ahead_s", b"_max_clock_ahead_s", "_state_retention_s", b"_state_retention_s", "applied_at", b"applied_at", "max_clock_ahead_s", b"max_clock_ahead_s", "state_retention_s", b"state_retention_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_clock_ahead_s", b"_max_clock_ahead_s", "_state_retention_s", b"_state_retention_s", "agent_activity_routing", b"agent_activity_routing", "agent_default_execution_target", b"agent_default_execution_target", "agent_runner_queue", b"agent_runner_queue", "agent_stigmer_queue", b"agent_stigmer_queue", "applied_at", b"applied_at", "driver_name", b"driver_name", "enabled", b"enabled", "fingerprint", b"fingerprint", "max_clock_ahead_s", b"max_clock_ahead_s", "pod_id", b"pod_id", "state_retention_s", b"state_retention_s", "workflow_activity_routing", b"workflow_activity_routing", "workflow_default_execution_target", b"workflow_default_execution_target", "workflow_runner_queue", b"workflow_runner_queue", "workflow_stigmer_queue", b"workflow_stigmer_queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_clock_ahead_s: _TypeAlias = _typing.Literal["max_clock_ahead_s"]  # noqa: Y015
+    _WhichOneofArgType__max_clock_ahead_s: _TypeAlias = _typing.Literal["_max_clock_ahead_s", b"_max_clock_ahead_s"]  # noqa: Y015
+    _WhichOneofReturnType__state_retention_s: _TypeAlias = _typing.Literal["state_retention_s"]  # noqa: Y015
+    _WhichOneofArgType__state_retention_s: _TypeAlias = _typing.Literal["_state_retention_s", b"_state_retention_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_clock_ahead_s) -> _WhichOneofReturnType__max_clock_ahead_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__state_retention_s) -> _WhichOneofReturnType__state_retention_s | None: ...
+
+Global___LaneConfigApplied: _TypeAlias = LaneConfigApplied  # noqa: Y015
