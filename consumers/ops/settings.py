@@ -175,8 +175,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "SANDBOX_LANES_STATE_DIR",
         "/var/lib/sandbox-lanes/state",
-        "the `rocksdb` state store's directory (a volume that outlives the container: an `emptyDir`, "
-        "or a PersistentVolumeClaim per pod)",
+        "the `rocksdb` state store's directory, one per pod (a database is locked by the pod that "
+        "opened it): a volume that outlives the container, an `emptyDir` or a PersistentVolumeClaim per pod",
     ),
     Setting("SANDBOX_LANES_SESSION_TIMEOUT_MS", "10000", "consumer group session timeout"),
     Setting("SANDBOX_LANES_SHUTDOWN_TIMEOUT_S", "30", "bound on graceful shutdown after SIGTERM"),
