@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiokafka import ConsumerRecord
 
 from consumers.runtime.state.changelog import Bounds
 from consumers.runtime.state.interface import STATE_FORMAT_VERSION, StateStore
@@ -167,3 +168,32 @@ def test_a_checkpoint_moves_only_past_writes_this_store_applied() -> None:
     assert proven({"a": b"a1", "c": b"foreign"}, applied) is None
     assert proven({"d": b"d1"}, applied) is None
     assert proven({"b": b"b-live"}, applied) is None
+
+
+def _record(offset: int, key: str, value: bytes | None) -> ConsumerRecord[bytes, bytes]:
+    size = -1 if value is None else len(value)
+    return ConsumerRecord("state", 0, offset, 0, 0, key.encode(), value, None, len(key), size, [])
+
+
+def test_rocksdb_folds_a_tail_with_a_key_written_again_in_one_batch(tmp_path: Path) -> None:
+    """A restore's batch may hold a key more than once (its index entry and count stay right), a
+    tombstone, and bytes that do not decode (skipped, as the memory store skips them)."""
+    store = _rocksdb(tmp_path, 100.0)
+    try:
+        done = _state("k", phase=common_pb2.EXECUTION_COMPLETED, at=1_000).SerializeToString()
+        later = _state("k", phase=common_pb2.EXECUTION_COMPLETED, at=2_000).SerializeToString()
+        other = _state("o", phase=common_pb2.EXECUTION_FAILED, at=1_500).SerializeToString()
+        batch = [
+            _record(0, "k", done),
+            _record(1, "o", other),
+            _record(2, "k", later),
+            _record(3, "gone", other),
+            _record(4, "gone", None),
+            _record(5, "bad", b"\xff\xff\xff"),
+        ]
+        store._fold(store._parts[0], 0, batch, seen_at=0.0)
+        assert len(store) == 2 and store.get(0, "gone") is None and store.get(0, "bad") is None
+        assert store.due(1e12, limit=10) == {0: ["o", "k"]}  # one index entry each, by due time
+        assert store.due(1_600.0, limit=10) == {0: ["o"]}
+    finally:
+        store.close()
