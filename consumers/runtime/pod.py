@@ -354,9 +354,10 @@ class Pod:
         aiokafka sends no heartbeat until the assignment callback has returned (its heartbeat
         task starts after it), and the take-over can wait long: InitProducerId waits out the
         previous owner's open transaction (up to the transaction timeout), and the restore reads
-        the whole state partition. Done inside the callback, that outlives the session timeout
-        and the group expels the pod again and again. So the partitions are paused here and
-        taken over in a task; :meth:`take_over` resumes them once they are owned.
+        the state partition (the whole of it, or from a disk store's checkpoint). Done inside the
+        callback, that outlives the session timeout and the group expels the pod again and again.
+        So the partitions are paused here and taken over in a task; :meth:`take_over` resumes them
+        once they are owned.
         """
         if not assigned:
             return
