@@ -343,7 +343,38 @@ async def _without_verbs(rbac: Any, resource: str, verbs: set[str]) -> None:
             rules.append(rule)
     role.rules = rules
     rbac.replace_namespaced_role(ROLE, SANDBOX_NAMESPACE, role)
-    await asyncio.sleep(1)  # the authorizer's cache follows the Role through a watch
+    # The authorizer's cache follows the Role through a watch: wait until the API server's own
+    # answer for the pod's ServiceAccount (a SubjectAccessReview) is "denied" for every verb taken.
+    authz = client.AuthorizationV1Api(rbac.api_client)
+    name, _, sub = resource.partition("/")
+
+    def allowed(verb: str) -> bool:
+        review = authz.create_subject_access_review(
+            {
+                "spec": {
+                    "user": SERVICE_ACCOUNT,
+                    "groups": [
+                        "system:serviceaccounts",
+                        f"system:serviceaccounts:{POD_NAMESPACE}",
+                        "system:authenticated",
+                    ],
+                    "resourceAttributes": {
+                        "namespace": SANDBOX_NAMESPACE,
+                        "group": "",
+                        "resource": name,
+                        "subresource": sub,
+                        "verb": verb,
+                    },
+                }
+            }
+        )
+        return bool(review.status.allowed)
+
+    await wait_for(
+        f"{resource} {sorted(verbs)} denied to the pod's ServiceAccount",
+        lambda: not any(allowed(v) for v in verbs),
+        timeout=30,
+    )
 
 
 # --------------------------------------------------------------------------- tests
