@@ -3,8 +3,8 @@ three-node KRaft cluster (replication 3, ``min.insync.replicas=2``), a steady st
 nodes killed with SIGKILL and started again one at a time (the controller fences the dead node, its
 leaders move; the node stays down a while, comes back; every ISR is full again before the next), the
 group coordinator and the transaction coordinator of one of the pods' transactional ids among them,
-found by FindCoordinator right before each kill; one bounce is a rolling restart (SIGTERM: a controlled
-shutdown) of the node bounced least.
+found by FindCoordinator right before each bounce; two bounces are a rolling restart's steps (SIGTERM: a
+controlled shutdown) of a coordinator.
 
 Verdicts, all measured, none by a sleep:
 
@@ -59,20 +59,23 @@ STALL_SECONDS = 30.0
 SHUTDOWN_TIMEOUT_S = 10.0
 #: Interpreter exit and the last log lines around the pod's own bound.
 SIGTERM_MARGIN_S = 5.0
-#: The fault schedule (not verdicts), one bounce at a time: whom, how, and how long the node stays down
-#: once the controller fenced it. Two stay down past the liveness window: with one node of three down the
-#: cluster serves everything (min.insync.replicas=2), so no pod may stall for as long as it is down.
+#: The fault schedule (not verdicts), one bounce at a time: whose coordinator, how, and how long the node
+#: stays down once the controller fenced it. The SIGKILLed coordinators stay down past the liveness window:
+#: with one node of three down the cluster serves everything (min.insync.replicas=2), so no pod may stall
+#: for as long as it is down. The SIGTERMs are a rolling restart's steps (a controlled shutdown: the node's
+#: leaders and coordinators move first), each on a coordinator, as a rolling restart always reaches them.
 SCHEDULE: tuple[tuple[str, str, float], ...] = (
     ("group", "SIGKILL", STALL_SECONDS + 10),
     ("transaction", "SIGKILL", STALL_SECONDS + 10),
-    ("least", "SIGTERM", 5.0),  # a rolling restart: controlled shutdown, leaders and coordinators moved first
-    ("group", "SIGKILL", 5.0),  # back right after it was fenced
+    ("group", "SIGTERM", 2.0),
+    ("transaction", "SIGTERM", 2.0),
+    ("group", "SIGKILL", 2.0),  # back right after it was fenced
 )
 #: The stream runs this long before the first bounce, this long between a node's full ISR and the
 #: next bounce, and this long after the last one.
-WARMUP_S = 8.0
-BETWEEN_S = 3.0
-TAIL_S = 8.0
+WARMUP_S = 5.0
+BETWEEN_S = 2.0
+TAIL_S = 5.0
 SETTLE_TIMEOUT_S = 90.0
 
 
@@ -100,17 +103,14 @@ def no_leftover_pods() -> Iterator[None]:
 
 
 def _target(cluster: KafkaCluster, whom: str, group: str, bounced: list[Bounce]) -> tuple[int, str]:
-    """The node to bounce: the group's coordinator now, a transaction coordinator of the pods' ids now
-    (one not on the node just bounced when there is one), or the node bounced least."""
-    last = bounced[-1].node if bounced else None
+    """The node to bounce: the group's coordinator now, or a transaction coordinator of the pods' ids now
+    (one not on the node just bounced when there is one)."""
     if whom == "group":
         return cluster.group_coordinator(group), f"group coordinator of {group}"
-    if whom == "transaction":
-        owners = {p: cluster.transaction_coordinator(f"{group}-p{p}") for p in range(PARTITIONS)}
-        p = next((p for p, node in owners.items() if node != last), 0)
-        return owners[p], f"transaction coordinator of {group}-p{p}"
-    counts = {i: sum(1 for b in bounced if b.node == i) for i in range(len(cluster.nodes))}
-    return min(counts, key=lambda i: (counts[i], i == last)), "the node bounced least"
+    last = bounced[-1].node if bounced else None
+    owners = {p: cluster.transaction_coordinator(f"{group}-p{p}") for p in range(PARTITIONS)}
+    p = next((p for p, node in owners.items() if node != last), 0)
+    return owners[p], f"transaction coordinator of {group}-p{p}"
 
 
 async def _bounce_all(cluster: KafkaCluster, group: str, pods: Pods, bounced: list[Bounce]) -> None:
