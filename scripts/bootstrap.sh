@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what sandbox-lanes needs on a fresh Debian machine, idempotently:
 #   - system packages (only when missing): dockerd (docker.io), docker-compose, etcd, busybox-static,
-#     debootstrap, openssl, Java, Maven, Go, chromium
+#     debootstrap, openssl, Java, Maven, Go, chromium, prometheus
 #   - a virtualenv at .venv with the project and its test dependencies
 # Usage: scripts/bootstrap.sh [--system] [--python]   (no flag = both)
 set -euo pipefail
@@ -40,6 +40,9 @@ if [[ $want_system -eq 1 ]]; then
   command -v go >/dev/null || [[ -x /usr/local/go/bin/go ]] || missing+=(golang-go)
   # the explain page is opened in a real headless browser (tests/integration/test_audit.py)
   command -v chromium >/dev/null || missing+=(chromium chromium-driver)
+  # a real Prometheus (and promtool) evaluates the shipped alerts and dashboard queries on a running pod
+  # (tests/integration/test_dashboard_alerts.py)
+  command -v prometheus >/dev/null && command -v promtool >/dev/null || missing+=(prometheus)
   if [[ ${#missing[@]} -gt 0 ]]; then
     if [[ $(id -u) -ne 0 ]]; then
       log "missing system packages: ${missing[*]} (run as root or install them)"; exit 1
