@@ -119,6 +119,7 @@ class PendingEffect(_message.Message):
     MINT_ORG_FIELD_NUMBER: _builtins.int
     MINT_CALLER_IDENTITY_ID_FIELD_NUMBER: _builtins.int
     RECOVER_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     effect_id: _builtins.str
     """Deterministic: derived_event_id(causation_id, "Ensure" | "Deprovision", scope)."""
     op: Global___EffectOp.ValueType
@@ -138,6 +139,10 @@ class PendingEffect(_message.Message):
     mint_caller_identity_id: _builtins.str
     recover: _builtins.bool
     """An ensure decided by a recover (FAILED -> IN_PROGRESS), not by the create."""
+    traceparent: _builtins.str
+    """The W3C traceparent of the decision's span when tracing was on (docs/operations.md, Tracing);
+    empty otherwise. The effect's driver-call span links back to it, on whichever pod runs it.
+    """
     @_builtins.property
     def occurred_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -159,10 +164,11 @@ class PendingEffect(_message.Message):
         mint_org: _builtins.str = ...,
         mint_caller_identity_id: _builtins.str = ...,
         recover: _builtins.bool = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["occurred_at", b"occurred_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_class", b"caller_class", "causation_id", b"causation_id", "critical", b"critical", "effect_id", b"effect_id", "mint_caller_identity_id", b"mint_caller_identity_id", "mint_execution_id", b"mint_execution_id", "mint_org", b"mint_org", "mint_scope", b"mint_scope", "mint_session_id", b"mint_session_id", "occurred_at", b"occurred_at", "op", b"op", "phase", b"phase", "recover", b"recover", "sandbox_id", b"sandbox_id", "scope", b"scope", "task_queue", b"task_queue"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_class", b"caller_class", "causation_id", b"causation_id", "critical", b"critical", "effect_id", b"effect_id", "mint_caller_identity_id", b"mint_caller_identity_id", "mint_execution_id", b"mint_execution_id", "mint_org", b"mint_org", "mint_scope", b"mint_scope", "mint_session_id", b"mint_session_id", "occurred_at", b"occurred_at", "op", b"op", "phase", b"phase", "recover", b"recover", "sandbox_id", b"sandbox_id", "scope", b"scope", "task_queue", b"task_queue", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
