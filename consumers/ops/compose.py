@@ -13,6 +13,7 @@ from consumers.lanes.constants import (
     routing_coherence_message,
 )
 from consumers.ops.settings import ConfigError, Settings
+from consumers.runtime import tracing
 from consumers.runtime.executor import CommandRunner, DriverExecutor
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod import Pod
@@ -24,6 +25,7 @@ from consumers.runtime.runner_tokens import (
     load_credential_provider,
 )
 from consumers.runtime.state.store import open_store
+from consumers.runtime.tracing import decision_traceparent
 from drivers.contract import SandboxProvisioner
 from drivers.registry import new_sandbox_provisioner
 
@@ -141,4 +143,14 @@ def compose(
         config.state_retention_s,
         settings.state_dir,
     )
-    return Composed(Pod(config, processor, metrics, store), provisioner, lane, metrics)
+    pod = Pod(config, processor, metrics, store)
+    try:
+        active = tracing.configure(group=settings.group_id)  # off unless the OTEL_* variables ask
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if active is not None:
+        pod.effects.trace_of = lambda partition, key, effect_id: decision_traceparent(
+            store.get(partition, key), effect_id
+        )
+        pod.effects.driver = lane.driver_name
+    return Composed(pod, provisioner, lane, metrics)

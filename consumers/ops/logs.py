@@ -15,6 +15,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any, TextIO
 
+from consumers.runtime import tracing
+
 _STD_ATTRS = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
 _JWT = re.compile(r"eyJ[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}\.[A-Za-z0-9_-]{5,}")
 REDACTED = "[REDACTED]"
@@ -46,6 +48,11 @@ class JsonFormatter(logging.Formatter):
         }
         for key, value in record_fields(record).items():
             payload[key] = value if isinstance(value, int | float | bool) or value is None else str(value)
+        active = tracing.ACTIVE
+        if active is not None:  # tracing on: a line logged under a span names it
+            ids = active.ids()
+            if ids is not None:
+                payload["trace_id"], payload["span_id"] = ids
         if record.exc_info:
             payload["exc"] = self.formatException(record.exc_info)
         return redact(json.dumps(payload, ensure_ascii=False), self._secrets)
@@ -58,7 +65,13 @@ class HumanFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         when = dt.datetime.fromtimestamp(record.created).strftime("%H:%M:%S")
-        fields = " ".join(f"{k}={v}" for k, v in record_fields(record).items())
+        extra = record_fields(record)
+        active = tracing.ACTIVE
+        if active is not None:
+            ids = active.ids()
+            if ids is not None:
+                extra["trace_id"], extra["span_id"] = ids
+        fields = " ".join(f"{k}={v}" for k, v in extra.items())
         line = f"{when} {record.levelname:<7} {record.getMessage()}" + (f"  {fields}" if fields else "")
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)

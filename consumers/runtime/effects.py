@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import NamedTuple, TypeVar
 
 from consumers.lanes.commands import Command, CommandResult
+from consumers.runtime import tracing
 
 logger = logging.getLogger("sandbox_lanes.effects")
 
@@ -44,6 +45,9 @@ class Completion(NamedTuple):
     result: CommandResult
     started: float
     finished: float
+    trace: str = ""
+    """The ``traceparent`` of the driver call's span when tracing is on (the fold's outcome records
+    carry it on); "" when off."""
 
 
 class _Call(NamedTuple):
@@ -83,6 +87,10 @@ class EffectRunner:
         self._done: list[Completion] = []
         self.ready = asyncio.Event()
         """Set when completions are waiting to be taken."""
+        #: Tracing on (consumers.runtime.tracing): the ``traceparent`` its decision recorded with an
+        #: effect, by (partition, state key, effect id), and the driver's name for the call's span.
+        self.trace_of: Callable[[int, str, str], str] | None = None
+        self.driver = ""
 
     # --- ownership ----------------------------------------------------------------------------
 
@@ -185,13 +193,32 @@ class EffectRunner:
                         if self._gate is not None:
                             await self._gate()
                         current = self._current(call)
+                        trace = ""
                         if current:
                             started = loop.time()
-                            result = await self._run(call.command)
+                            active = tracing.ACTIVE
+                            if active is None:
+                                result = await self._run(call.command)
+                            else:
+                                decision = (
+                                    self.trace_of(call.partition, call.key, call.effect_id)
+                                    if self.trace_of is not None
+                                    else ""
+                                )
+                                result, trace = await active.effect(
+                                    decision, call.command, self.driver, self._run
+                                )
                     finished = loop.time()
                     if current and self._current(call):
                         done = Completion(
-                            call.partition, call.key, call.effect_id, call.command, result, started, finished
+                            call.partition,
+                            call.key,
+                            call.effect_id,
+                            call.command,
+                            result,
+                            started,
+                            finished,
+                            trace,
                         )
                         self._done.append(done)
                         self.ready.set()

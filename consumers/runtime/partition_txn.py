@@ -13,11 +13,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from consumers.lanes.commands import Command, Outcome, StateView
 from consumers.lanes.outbox import new_effects
+from consumers.runtime import tracing
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.dead_letters import (
     ahead_of_pod_reason,
@@ -100,6 +102,16 @@ class PartitionTransaction:
         self.decided: list[tuple[str, str, Command]] = []
         #: Results folded back, with their outcome: metered once committed.
         self.folded: list[tuple[Completion, Outcome]] = []
+        #: Tracing on: the spans (inputs, driver calls) this transaction's ``commit`` span goes under.
+        self.traced: list[Any] = []
+
+    async def commit(self) -> None:
+        """Commit the transaction with its input offsets (under a ``commit`` span when tracing)."""
+        active = tracing.ACTIVE
+        if active is None or not self.traced:
+            await self.sink.commit(self.offsets)
+            return
+        await active.commit(self.traced, self.partition, self.sink.commit(self.offsets))
 
     async def fold(self, completion: Completion) -> None:
         """One driver result back into its execution's state: the outcome event, the entry removed."""
@@ -107,14 +119,28 @@ class PartitionTransaction:
         state = self._stored(key)
         if state is None:
             return
-        outcome = self.processor.complete(state, completion.effect_id, completion.command, completion.result)
+        active = tracing.ACTIVE if completion.trace else None
+        if active is not None:
+            with active.under(completion.trace):  # its log lines name the driver call's span
+                outcome = self.processor.complete(
+                    state, completion.effect_id, completion.command, completion.result
+                )
+        else:
+            outcome = self.processor.complete(
+                state, completion.effect_id, completion.command, completion.result
+            )
         if outcome.state is None:
             return  # not pending any more: completed before (this pod, or the previous owner)
         for output in outcome.outputs:
-            await self.sink.send(
-                self.config.topics.outcomes, encode(output, source=self.processor.config.source)
-            )
+            record = encode(output, source=self.processor.config.source)
+            if active is not None:  # the outcome carries the trace on to the next consumer
+                topic = self.config.topics.outcomes
+                headers = active.outcome_headers(completion.trace, topic, record.headers)
+                record = record._replace(headers=headers)
+            await self.sink.send(self.config.topics.outcomes, record)
             self.counted[type_name(output)] += 1
+        if active is not None:
+            self.traced.append(active.parent_of(completion.trace))
         await self.sink.send(self.config.topics.state, encode(outcome.state), partition=self.partition)
         self.overlay[key] = outcome.state
         self.folded.append((completion, outcome))
@@ -138,7 +164,15 @@ class PartitionTransaction:
             if tp in self.held:
                 continue
             self.attempted.append(rec)
-            if await self._record(rec):
+            active = tracing.ACTIVE
+            if active is None:
+                deferred = await self._record(rec)
+            else:
+                with active.input(rec):
+                    deferred = await self._record(rec)
+                    if not deferred:
+                        self.traced.append(active.current_context())
+            if deferred:
                 self.held[tp] = rec.offset  # deferred: this partition resumes here next turn
                 continue
             self.offsets[tp] = rec.offset + 1
@@ -182,9 +216,13 @@ class PartitionTransaction:
             return True  # a create of this session produced before the delete may still be ahead
         key = state_key(event)
         stored = self._stored(key)
+        active = tracing.ACTIVE
+        span = active.decided() if active is not None else None
         try:
             decision = self.processor.decide(event, StateView(stored, self._stored))
         except Exception as exc:  # a bug in the rules must not stop the pod: park the record
+            if span is not None:
+                span.end()
             logger.exception("record processing raised", extra={"executionId": key})
             await self._dead_letter(rec, f"internal error: {exc!r}")
             return False
@@ -194,8 +232,28 @@ class PartitionTransaction:
             and (stored is None or not stored.created)
             and await self.gate.may_follow(self.consumer, rec)
         ):
+            if span is not None:
+                span.end()
             return True  # its create may still be ahead on the execution-created topic
         self.gate.settled(rec)
+        if active is not None and span is not None:
+            active.end_decision(
+                span,
+                message_id=event.meta.event_id,
+                event_type=event.DESCRIPTOR.name,
+                key=key,
+                outcome=(
+                    "rejected"
+                    if decision.reject is not None
+                    else "duplicate"
+                    if decision.duplicate
+                    else "unchanged"
+                    if decision.state is None
+                    else "applied"
+                ),
+                state=decision.state,
+                effect_ids=[effect_id for effect_id, _ in new_effects(decision)] if decision.state else [],
+            )
         # Counted once it is applied or dead-lettered, not on every look while it is held back.
         event_type = event.DESCRIPTOR.name
         self.stats.consumed[TYPE_PREFIX + event_type] += 1

@@ -748,7 +748,7 @@ class Pod:
             for completion in completions:
                 await txn.fold(completion)
             await txn.decide(batch)
-            await sink.commit(txn.offsets)
+            await txn.commit()  # the sink's commit (under a span when tracing)
         except asyncio.CancelledError:
             # The shutdown bound cancelled the turn: abort so nothing of it becomes visible.
             with contextlib.suppress(Exception):
