@@ -76,10 +76,11 @@ def resumed_at(records: list[dict[str, Any]]) -> int | None:
 
 
 def stand_downs(records: list[dict[str, Any]], since: int) -> dict[int, int]:
-    """Per partition, the index of the first record from ``since`` on in which the pod stood down
-    its writes for it: its transaction fenced by the partition's new owner, or the group's
-    revocation voiding the driver work it still held (``outstanding`` > 0: results not yet folded,
-    calls queued or running). A release with nothing outstanding (a shutdown's) is not one."""
+    """Per partition, the index of the first record from ``since`` (the resume line) on in which
+    the resumed pod gave the partition up in its old generation: its transaction fenced by the
+    partition's new owner, or the group's revocation of it (its driver results void). Callers
+    wait for these while the pod still runs, before any signal of theirs, so the release a
+    shutdown writes can never be the one matched."""
     found: dict[int, int] = {}
     for i in range(since, len(records)):
         record = records[i]
@@ -87,8 +88,7 @@ def stand_downs(records: list[dict[str, Any]], since: int) -> dict[int, int]:
             continue
         msg = str(record.get("msg", ""))
         fenced = msg.startswith("fenced:") and record.get("level") == "error"
-        voided = msg.startswith("partitions released") and int(record.get("outstanding", 0)) > 0
-        if fenced or voided:
+        if fenced or msg.startswith("partitions released"):
             for p in _partitions(record):
                 found.setdefault(p, i)
     return found
@@ -288,7 +288,7 @@ async def test_a_pod_paused_past_its_session_timeout_and_resumed_writes_no_secon
         zombie.proc.send_signal(signal.SIGCONT)
         # The zombie wakes with its calls' results in hand. It must stand down both partitions it
         # held: its fold-back transaction fenced by the owner's epoch, or (if the group's answer
-        # comes first) its results voided by the revocation. Waited for, not slept on.
+        # comes first) the revocation voiding its results. Waited for, not slept on.
         stood_down = await wait_for_stand_down(zombie, [0, 1])
         # Not wedged: the fenced pod rejoins the group and takes a partition over again...
         await wait_for_log(
@@ -421,9 +421,8 @@ async def test_a_resumed_zombie_creates_no_sandbox_for_an_execution_that_moved_a
         assert len(in_flight) <= 1, in_flight  # at most the one call inside the driver at the stop
         zombie.proc.send_signal(signal.SIGCONT)
         # The resumed pod stands down both partitions (its transaction fenced, or the group's
-        # revocation voiding its queued calls) after its stall guard's hold, the heartbeat's
-        # answer and the rejoin. Then it is stopped (a clean SIGTERM): once it has exited,
-        # every runner it was ever going to start has started, so the count below is final.
+        # revocation voiding its queued calls). Then it is stopped (a clean SIGTERM): once it has
+        # exited, every runner it was ever going to start has started, so the count is final.
         await wait_for_stand_down(zombie, [0, 1], timeout_s=60, on_tick=sample)
         await asyncio.to_thread(zombie.terminate)
         sample()
