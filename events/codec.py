@@ -432,25 +432,51 @@ def decode_input(
     return message
 
 
-#: The state-topic key of a lane configuration record (``LaneConfigApplied``), by fingerprint.
+#: The ``ce_type`` of a lane configuration record (``LaneConfigApplied``); not an input, an outcome
+#: or a state: it lives on its own topic (:func:`lane_config_topic`).
+LANE_CONFIG_TYPE: Final = TYPE_PREFIX + state_pb2.LaneConfigApplied.DESCRIPTOR.name
+#: Keys that once held a configuration record on the state topic (replay and explain skip them).
 LANE_CONFIG_KEY_PREFIX: Final = "lane-config/"
 
 
-def lane_config_key(fingerprint: str) -> str:
-    return LANE_CONFIG_KEY_PREFIX + fingerprint
+def lane_config_topic(state_topic: str) -> str:
+    """The compacted topic of the configuration records, named after the state topic it goes with."""
+    return state_topic + "-config"
 
 
 def is_lane_config_key(key: str) -> bool:
-    """A state-topic key that holds a configuration record, not an execution's state."""
+    """A state-topic key of a configuration record, not an execution's state."""
     return key.startswith(LANE_CONFIG_KEY_PREFIX)
 
 
-def lane_config_record(applied: state_pb2.LaneConfigApplied) -> state_pb2.ExecutionState:
-    """The state-topic value of a configuration record: an ``ExecutionState`` with only its key and
-    ``lane_config`` set, so every reader of the state topic parses it (and nothing acts on it)."""
-    state = state_pb2.ExecutionState(execution_id=lane_config_key(applied.fingerprint))
-    state.lane_config.CopyFrom(applied)
-    return state
+def encode_lane_config(
+    applied: state_pb2.LaneConfigApplied, *, source: str = "sandbox-lanes"
+) -> EncodedRecord:
+    """A configuration record: keyed by its fingerprint, with the CloudEvents headers of every record."""
+    occurred = timestamp_json(applied.applied_at) if applied.HasField("applied_at") else ""
+    headers = [
+        ("ce_specversion", _CE_SPECVERSION_BYTES),
+        ("ce_type", LANE_CONFIG_TYPE.encode()),
+        ("ce_id", applied.fingerprint.encode()),
+        ("ce_source", source.encode()),
+        ("ce_time", occurred.encode()),
+        ("content-type", _CONTENT_TYPE_BYTES),
+    ]
+    return EncodedRecord(applied.fingerprint.encode(), applied.SerializeToString(), headers)
+
+
+def decode_lane_config(
+    value: bytes | None, headers: Iterable[tuple[str, bytes]] | None
+) -> state_pb2.LaneConfigApplied | None:
+    """A configuration record, or None for anything else (a tombstone, another type, bad bytes)."""
+    if value is None or header(headers, "ce_type") != LANE_CONFIG_TYPE:
+        return None
+    applied = state_pb2.LaneConfigApplied()
+    try:
+        applied.ParseFromString(value)
+    except (ProtobufDecodeError, RuntimeError, ValueError):
+        return None
+    return applied if applied.fingerprint else None
 
 
 def decode_state(value: bytes) -> state_pb2.ExecutionState:

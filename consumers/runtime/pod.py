@@ -30,7 +30,7 @@ from aiokafka.partitioner import murmur2
 
 from consumers.lanes.commands import Command, CommandResult, Ensure
 from consumers.runtime.backpressure import FetchThrottle
-from consumers.runtime.config_log import record_lane_config
+from consumers.runtime.config_log import record_lane_config_soon
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
 from consumers.runtime.episode import Episode
@@ -250,7 +250,7 @@ class Pod:
             max_clock_ahead_s=cfg.max_clock_ahead_s,
             state_retention_s=cfg.state_retention_s,
         )
-        await record_lane_config(cfg, self.processor.config)
+        record_lane_config_soon(cfg, self.processor.config)  # beside the start, never waited for
         producer_options = producer_options_for(cfg)
         self._consumer = group_consumer_for(cfg)
         await self._consumer.start()

@@ -44,7 +44,9 @@ from consumers.tools.replay.compare import RecordedOutcome
 from consumers.tools.replay.derive import (
     RecordedRunner,
     merged_inputs,
+    read_configs,
     read_topics,
+    recorded_configs,
     recorded_fingerprints,
     runtime_dead_letter,
 )
@@ -285,6 +287,7 @@ async def build_story(
     outcome_recs: Records,
     dlq_recs: Records,
     state_recs: Records,
+    config_recs: Records,
     topics: Topics,
     lane: LaneConfig,
     *,
@@ -308,17 +311,13 @@ async def build_story(
             meta = getattr(message, "meta")  # noqa: B009
             evidence.setdefault(meta.causation_id, meta.config_fingerprint)
             recorded.setdefault(meta.event_id, []).append(one)
-    configs: dict[str, LaneConfig] = {}
+    configs = recorded_configs(config_recs, lane.source)
     final: dict[str, tuple[state_pb2.ExecutionState | None, int]] = {}
     for recs in state_recs.values():
         for rec in recs:
             key = rec.key.decode("utf-8", errors="replace") if rec.key else ""
             value = decode_state(rec.value) if rec.value is not None else None
             if is_lane_config_key(key):
-                if value is not None and value.HasField("lane_config"):
-                    configs[value.lane_config.fingerprint] = LaneConfig.from_applied(
-                        value.lane_config, source=lane.source
-                    )
                 continue
             final[key] = (value, rec.timestamp)
             if (
@@ -533,8 +532,12 @@ async def explain(
 ) -> dict[str, Any]:
     isolation = "read_committed" if guarantee == "exactly_once" else "read_uncommitted"
     read = functools.partial(read_topics, bootstrap, isolation_level=isolation, security=security)
-    inputs_by_tp, outcome_recs, dlq_recs, state_recs = await asyncio.gather(
-        read(topics.inputs), read([topics.outcomes]), read([topics.dead_letter]), read([topics.state])
+    inputs_by_tp, outcome_recs, dlq_recs, state_recs, config_recs = await asyncio.gather(
+        read(topics.inputs),
+        read([topics.outcomes]),
+        read([topics.dead_letter]),
+        read([topics.state]),
+        read_configs(read, topics),
     )
     return await build_story(
         target,
@@ -542,6 +545,7 @@ async def explain(
         outcome_recs,
         dlq_recs,
         state_recs,
+        config_recs,
         topics,
         lane,
         max_clock_ahead_s=max_clock_ahead_s,

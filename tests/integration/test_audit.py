@@ -8,12 +8,15 @@ with the code under test.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from html.parser import HTMLParser
 from pathlib import Path
@@ -24,7 +27,9 @@ import pytest
 from consumers.ops.settings import load_settings
 from consumers.tools.explain import explain, render_text
 from consumers.tools.replay import lane_config, replay
-from events.codec import new_meta
+from drivers.contract import SandboxEnvironment
+from drivers.local_process import new_local_process_provisioner
+from events.codec import decode_lane_config, lane_config_topic, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 from tests.support.pod_harness import ROOT, produce, read_topic, running_pod, unique_env
 
@@ -76,6 +81,20 @@ async def _states(bootstrap: str, topic: str, at_least: int) -> dict[str, state_
     return out
 
 
+async def _configs(bootstrap: str, state_topic: str, at_least: int) -> dict[str, state_pb2.LaneConfigApplied]:
+    """The configuration records, by fingerprint (their own compacted topic)."""
+    out: dict[str, state_pb2.LaneConfigApplied] = {}
+    deadline = time.monotonic() + 30
+    while len(out) < at_least:  # written beside the pod's start: wait for the records, not a clock
+        assert time.monotonic() < deadline, f"configuration records: {sorted(out)}"
+        for rec in await read_topic(bootstrap, lane_config_topic(state_topic), at_least=0, settle_s=0.2):
+            headers = [(k, v.encode()) for k, v in rec.headers.items()]
+            applied = decode_lane_config(rec.value, headers)
+            if applied is not None:
+                out[applied.fingerprint] = applied
+    return out
+
+
 # --- replay under the recorded configuration -----------------------------------------------------
 
 
@@ -122,9 +141,10 @@ async def test_replay_uses_each_decisions_recorded_configuration_and_names_a_cha
         await read_topic(kafka_bootstrap, topics.outcomes, at_least=4)
         states = await _states(kafka_bootstrap, topics.state, at_least=6)
         assert wf2 in states and states[wf2].created
-    configs = {k: s.lane_config for k, s in states.items() if s.HasField("lane_config")}
+    configs = await _configs(kafka_bootstrap, topics.state, at_least=2)
     assert len(configs) == 2  # one record per configuration the pods started with
     by_routing = {c.workflow_activity_routing: c.fingerprint for c in configs.values()}
+    assert {c.pod_id for c in configs.values()} == {"pod-a"}
     assert sorted(by_routing) == ["execution", "global"]
     assert states[wf2].config_fingerprint == by_routing["global"]
     outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=4)
@@ -227,6 +247,7 @@ async def test_explain_tells_each_lanes_story_and_the_page_renders_in_chromium(
     env = unique_env(kafka_bootstrap, tmp_path)
     settings = load_settings(env)
     topics = settings.topics
+    reaped_wf = f"wfx_exreap_{RUN}"
     wf, bad, axr, ses, ghost = (
         f"wfx_ex_{RUN}",
         f"wfx_ex/{RUN}",  # an id the local-process driver refuses: a real driver failure, refused
@@ -242,8 +263,9 @@ async def test_explain_tells_each_lanes_story_and_the_page_renders_in_chromium(
             created(wf, WF, f"evt-ex-wf-{RUN}", workflow_execution_target=P.CLOUD),
             created(bad, WF, f"evt-ex-bad-{RUN}", workflow_execution_target=P.CLOUD),
             created(axr, AG, f"evt-ex-axr-{RUN}", session_id=ses, session_execution_target=P.CLOUD),
+            created(reaped_wf, WF, f"evt-ex-reap-{RUN}", workflow_execution_target=P.CLOUD),
         )
-        await read_topic(kafka_bootstrap, topics.outcomes, at_least=3)
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=4)
         await produce(
             kafka_bootstrap,
             env,
@@ -255,14 +277,15 @@ async def test_explain_tells_each_lanes_story_and_the_page_renders_in_chromium(
                 f"evt-ex-wf-fail-{RUN}",
                 error=failed_error,
             ),
+            phase(reaped_wf, WF, P.EXECUTION_IN_PROGRESS, P.EXECUTION_COMPLETED, f"evt-ex-reap-done-{RUN}"),
         )
-        await read_topic(kafka_bootstrap, topics.outcomes, at_least=4)
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=6)
         await produce(
             kafka_bootstrap,
             env,
             phase(wf, WF, P.EXECUTION_FAILED, P.EXECUTION_IN_PROGRESS, f"evt-ex-wf-rec-{RUN}"),
         )
-        await read_topic(kafka_bootstrap, topics.outcomes, at_least=5)
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=7)
         await produce(
             kafka_bootstrap,
             env,
@@ -270,8 +293,16 @@ async def test_explain_tells_each_lanes_story_and_the_page_renders_in_chromium(
             inputs_pb2.SessionDeleted(meta=new_meta(event_id=f"evt-ex-sesdel-{RUN}"), session_id=ses),
             phase(ghost, WF, P.EXECUTION_IN_PROGRESS, P.EXECUTION_COMPLETED, f"evt-ex-ghost-{RUN}"),
         )
-        await read_topic(kafka_bootstrap, topics.outcomes, at_least=7)
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=9)
         await read_topic(kafka_bootstrap, topics.dead_letter, at_least=1)
+    # A leak: the finished execution's sandbox made again behind the pod's back; the reaper removes it.
+    driver = new_local_process_provisioner(settings.driver, logging.getLogger("sandbox_lanes"))
+    try:
+        await driver.ensure("workflow", reaped_wf, SandboxEnvironment(task_queue=f"wfexec:{reaped_wf}"))
+    finally:
+        await driver.close()
+    reap = cli(env, "reap", "--log-level", "warning", "--apply", "--grace", "3600")
+    assert reap.returncode == 0 and "1 removed, 0 failed" in reap.stdout, reap.stdout + reap.stderr
 
     lane = lane_config(settings)
     # The recovered workflow: create, FAILED (torn down), recover (ensured again), COMPLETED.
@@ -324,6 +355,15 @@ async def test_explain_tells_each_lanes_story_and_the_page_renders_in_chromium(
     assert outcome["type"] == "SandboxFailed" and outcome["result"].endswith("(critical)")
     assert refused["steps"][0]["state_after"]["refused"] is True
 
+    # A reaped sandbox: the workflow's create, its terminal phase, then the reaper's removal.
+    reaped = await explain(kafka_bootstrap, topics, lane, reaped_wf, guarantee=settings.guarantee)
+    assert _rules(reaped) == ["workflow lane", "terminal observer", "reaper"]
+    assert _outcome_types(reaped) == ["SandboxProvisioned", "SandboxDeprovisioned", "SandboxReaped"]
+    assert (
+        reaped["steps"][2]["why"]
+        == "the reaper removed the sandbox: execution terminal (EXECUTION_COMPLETED)"
+    )
+
     # A dead-lettered input: a phase change of an execution never created.
     ghost_story = await explain(kafka_bootstrap, topics, lane, ghost, guarantee=settings.guarantee)
     assert _rules(ghost_story) == ["dead letter"]
@@ -359,3 +399,38 @@ async def test_explain_tells_each_lanes_story_and_the_page_renders_in_chromium(
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     print(f"explain page: {page}\nscreenshot: {shot}")
+
+
+async def test_explain_an_execution_past_retention_tells_what_its_inputs_show(
+    kafka_bootstrap: str, tmp_path: Path, no_leaked_runners: None
+) -> None:
+    """A finished execution's state is tombstoned after the retention (2 s here); its inputs are still
+    on the topics: explain says so and still tells the story."""
+    env = unique_env(kafka_bootstrap, tmp_path, SANDBOX_LANES_STATE_RETENTION_S="2")
+    settings = load_settings(env)
+    topics = settings.topics
+    old = f"wfx_exold_{RUN}"
+    async with running_pod(env):
+        await produce(
+            kafka_bootstrap, env, created(old, WF, f"evt-ex-old-{RUN}", workflow_execution_target=P.LOCAL)
+        )
+        await produce(
+            kafka_bootstrap,
+            env,
+            phase(old, WF, P.EXECUTION_IN_PROGRESS, P.EXECUTION_COMPLETED, f"evt-ex-old-done-{RUN}"),
+        )
+        deadline = time.monotonic() + 60
+        while True:  # until the pod tombstones the finished state (the verdict is the record, not a clock)
+            records = await read_topic(kafka_bootstrap, topics.state, at_least=1, settle_s=0.2)
+            if any(r.key == old and r.value is None for r in records):
+                break
+            assert time.monotonic() < deadline, "the finished state was not tombstoned within 60 s"
+            await asyncio.sleep(0.5)
+    story = await explain(kafka_bootstrap, topics, lane_config(settings), old, guarantee=settings.guarantee)
+    assert _rules(story) == ["workflow lane (does not fire)", "terminal observer"]
+    assert "STIGMER_WORKFLOW_DEFAULT_EXECUTION_TARGET" in story["steps"][0]["why"]
+    assert _outcome_types(story) == ["SandboxDeprovisioned"]
+    assert story["final_states"][old]["recorded"] == "tombstoned"
+    (note,) = story["notes"]
+    assert note.startswith(f"{old}: past retention: its state was tombstoned at ") and "finished" in note
+    assert "what its inputs, still on the topic, show" in render_text(story)

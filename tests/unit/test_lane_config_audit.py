@@ -12,7 +12,7 @@ from consumers.lanes.commands import CommandResult, LaneConfig, StateView, chang
 from consumers.lanes.dispatch import AgentExecutionTemporalConfig, WorkflowExecutionTemporalConfig
 from consumers.lanes.rules import complete, complete_effect, decide
 from consumers.tools.explain import render_html, render_text
-from events.codec import is_lane_config_key, lane_config_key, lane_config_record
+from events.codec import decode_lane_config, encode_lane_config, lane_config_topic
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, state_pb2
 
 CONFIG = LaneConfig(
@@ -79,28 +79,34 @@ def test_every_setting_the_rules_read_moves_the_fingerprint_and_is_named() -> No
         assert list(changed_settings(CONFIG.settings(), other.settings())) == [name]
 
 
-def test_the_configuration_record_round_trips_and_holds_nothing_else() -> None:
-    applied = CONFIG.applied()
-    record = lane_config_record(applied)
-    assert record.execution_id == lane_config_key(CONFIG.fingerprint) == f"lane-config/{CONFIG.fingerprint}"
-    assert is_lane_config_key(record.execution_id) and not is_lane_config_key("wfx_1")
-    parsed = state_pb2.ExecutionState.FromString(record.SerializeToString())
-    back = LaneConfig.from_applied(parsed.lane_config, source="replay")
+def test_the_configuration_record_round_trips_on_its_own_topic() -> None:
+    record = encode_lane_config(CONFIG.applied(), source="sandbox-lanes/pod-a")
+    assert record.key == CONFIG.fingerprint.encode()
+    assert ("ce_type", b"sandbox_lanes.v1.LaneConfigApplied") in record.headers
+    assert lane_config_topic("t1.sandbox-lanes-state") == "t1.sandbox-lanes-state-config"
+    applied = decode_lane_config(record.value, record.headers)
+    assert applied is not None
+    back = LaneConfig.from_applied(applied, source="replay")
     assert back.fingerprint == CONFIG.fingerprint and back.settings() == CONFIG_SETTINGS
     assert back.max_clock_ahead_s is None and back.state_retention_s is None
     pod = replace(CONFIG, max_clock_ahead_s=300.0, state_retention_s=0.0)  # 0: keep every state
-    again = LaneConfig.from_applied(lane_config_record(pod.applied()).lane_config)
+    again_record = encode_lane_config(pod.applied())
+    again_applied = decode_lane_config(again_record.value, again_record.headers)
+    assert again_applied is not None
+    again = LaneConfig.from_applied(again_applied)
     assert (again.max_clock_ahead_s, again.state_retention_s) == (300.0, 0.0)
     assert again.settings()["SANDBOX_LANES_STATE_RETENTION_S"] == "0" and again.fingerprint == pod.fingerprint
-    # A state reader sees an execution that never was: nothing created, pending or finished.
-    assert not parsed.created and not parsed.pending and parsed.phase == 0 and not parsed.sandboxes
+    # Anything else on that topic is not a configuration: a tombstone, another type, bytes that do not parse.
+    assert decode_lane_config(None, record.headers) is None
+    assert decode_lane_config(record.value, [("ce_type", b"sandbox_lanes.v1.ExecutionState")]) is None
+    assert decode_lane_config(b"\xff\xff", record.headers) is None
 
 
 def test_an_old_state_without_the_new_fields_still_reads() -> None:
     # Bytes of a state written before issue 35 (fields 1..19 only): the new fields read empty.
     old = state_pb2.ExecutionState(execution_id="wfx_old", created=True, phase=common_pb2.EXECUTION_PENDING)
     parsed = state_pb2.ExecutionState.FromString(old.SerializeToString())
-    assert parsed.config_fingerprint == "" and not parsed.HasField("lane_config")
+    assert parsed.config_fingerprint == ""
 
 
 def _wf_created() -> inputs_pb2.ExecutionCreated:

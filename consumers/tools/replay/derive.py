@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from aiokafka import ConsumerRecord, TopicPartition
+from aiokafka.errors import KafkaError
 
 from consumers.lanes.commands import (
     Command,
@@ -45,10 +46,12 @@ from events.codec import (
     InputEvent,
     decode,
     decode_input,
+    decode_lane_config,
     decode_state,
     derived_event_id,
     header,
     is_lane_config_key,
+    lane_config_topic,
     state_key,
     type_name,
 )
@@ -174,6 +177,7 @@ async def replay(
     outcome_recs = await read([topics.outcomes])
     dlq_recs = await read([topics.dead_letter])
     state_recs = await read([topics.state])
+    config_recs = await read_configs(read, topics)
     report = ReplayReport(
         window=window.describe(), config_mode="recorded" if use_recorded_config else "current"
     )
@@ -220,16 +224,13 @@ async def replay(
     recorded_states: dict[str, state_pb2.ExecutionState | None] = {}
     #: When each key's state was tombstoned (record timestamps, in topic order).
     tombstoned: dict[str, list[int]] = {}
-    configs: dict[str, LaneConfig] = {}
+    configs = recorded_configs(config_recs, lane.source)
     state_evidence: dict[str, str] = {}
     for recs in state_recs.values():
         for rec in recs:
             key = rec.key.decode("utf-8", errors="replace") if rec.key else ""
             value = decode_state(rec.value) if rec.value is not None else None
             if is_lane_config_key(key):
-                if value is not None and value.HasField("lane_config"):
-                    applied = value.lane_config
-                    configs[applied.fingerprint] = LaneConfig.from_applied(applied, source=lane.source)
                 continue
             recorded_states[key] = value
             if value is None:
@@ -370,6 +371,34 @@ async def replay(
     report.config_differs = len(changed)
     _blame_configuration(report, changed, changed_keys, changed_where)
     return report
+
+
+async def read_configs(
+    read: Callable[[list[str]], Awaitable[dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]]],
+    topics: Topics,
+) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
+    """The configuration topic's records; none where it is absent (a log from before issue 35) or
+    this principal may not read it: each decision is then replayed under the current configuration,
+    and the summary counts it."""
+    name = lane_config_topic(topics.state)
+    try:
+        return await read([name])
+    except KafkaError as exc:
+        logger.warning("configuration records not read", extra={"topic": name, "error": repr(exc)[:300]})
+        return {}
+
+
+def recorded_configs(
+    records: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]], source: str
+) -> dict[str, LaneConfig]:
+    """Every configuration recorded on the configuration topic, by fingerprint."""
+    configs: dict[str, LaneConfig] = {}
+    for recs in records.values():
+        for rec in recs:
+            applied = decode_lane_config(rec.value, rec.headers)
+            if applied is not None:
+                configs[applied.fingerprint] = LaneConfig.from_applied(applied, source=source)
+    return configs
 
 
 def recorded_fingerprints(

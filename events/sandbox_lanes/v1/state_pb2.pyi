@@ -198,7 +198,6 @@ class ExecutionState(_message.Message):
     REFUSAL_REASON_FIELD_NUMBER: _builtins.int
     SESSION_DELETED_FIELD_NUMBER: _builtins.int
     CONFIG_FINGERPRINT_FIELD_NUMBER: _builtins.int
-    LANE_CONFIG_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     execution_id: _builtins.str
     kind: _common_pb2.ExecutionKind.ValueType
@@ -256,10 +255,6 @@ class ExecutionState(_message.Message):
         arriving later is stale and moves nothing.
         """
 
-    @_builtins.property
-    def lane_config(self) -> Global___LaneConfigApplied:
-        """Set only on a configuration record (key "lane-config/<fingerprint>"), never on an execution's."""
-
     def __init__(
         self,
         *,
@@ -283,11 +278,10 @@ class ExecutionState(_message.Message):
         refusal_reason: _builtins.str = ...,
         session_deleted: _builtins.bool = ...,
         config_fingerprint: _builtins.str = ...,
-        lane_config: Global___LaneConfigApplied | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_event", b"created_event", "lane_config", b"lane_config", "phase_changed_at", b"phase_changed_at", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_event", b"created_event", "phase_changed_at", b"phase_changed_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "config_fingerprint", b"config_fingerprint", "created", b"created", "created_event", b"created_event", "deferred_status_error", b"deferred_status_error", "execution_id", b"execution_id", "kind", b"kind", "lane_config", b"lane_config", "org", b"org", "pending", b"pending", "phase", b"phase", "phase_changed_at", b"phase_changed_at", "refusal_reason", b"refusal_reason", "refused", b"refused", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_deleted", b"session_deleted", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "config_fingerprint", b"config_fingerprint", "created", b"created", "created_event", b"created_event", "deferred_status_error", b"deferred_status_error", "execution_id", b"execution_id", "kind", b"kind", "org", b"org", "pending", b"pending", "phase", b"phase", "phase_changed_at", b"phase_changed_at", "refusal_reason", b"refusal_reason", "refused", b"refused", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_deleted", b"session_deleted", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -296,10 +290,10 @@ Global___ExecutionState: _TypeAlias = ExecutionState  # noqa: Y015
 @_typing.final
 class LaneConfigApplied(_message.Message):
     """The lane configuration a pod decides under: every setting the rules read, nothing secret. A pod
-    writes it to the compacted state topic when it starts, keyed "lane-config/<fingerprint>" (the
-    value is an ExecutionState with only execution_id and lane_config set, so every state reader
-    parses it), and compaction keeps one record per configuration for as long as the topic lives.
-    Replay re-derives each decision under the configuration its fingerprint names.
+    writes it when it starts to its own compacted topic (the state topic's name + "-config", one
+    partition), keyed by the fingerprint: compaction keeps one record per configuration for as long as
+    the topic lives. Replay and explain re-derive each decision under the configuration its
+    fingerprint names.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
