@@ -3,8 +3,9 @@
 Every state and outcome the rules produce carries the fingerprint of the configuration it was made
 under (``LaneConfig.fingerprint``); this writes the configuration itself, keyed by that fingerprint,
 to its own compacted topic (the state topic's name + ``-config``, one partition, created when missing
-and the pod creates its topics). Compaction keeps one record per configuration for as long as the
-topic lives: replay and ``explain`` find every configuration a retained decision names.
+and the pod creates its topics), when the log has not seen it (that topic is read first: it holds one
+record per configuration). Compaction keeps it for as long as the topic lives: replay and ``explain``
+find every configuration a retained decision names.
 
 It runs beside the pod's start, not before it: a decision never waits for it, and a failure (the
 topic cannot be created or written, e.g. an ACL that does not grant it) is one warning, not a pod
@@ -17,13 +18,14 @@ import asyncio
 import datetime as dt
 import logging
 
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from consumers.lanes.commands import LaneConfig
+from consumers.runtime.kafka.topic_reader import read_to_end
 from consumers.runtime.kafka.topology import TopicSpec, create_missing
 from consumers.runtime.pod_config import PodConfig
-from events.codec import encode_lane_config, lane_config_topic, timestamp
+from events.codec import decode_lane_config, encode_lane_config, lane_config_topic, timestamp
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
@@ -53,8 +55,26 @@ async def _bounded(cfg: PodConfig, lane: LaneConfig) -> None:
         )
 
 
+async def _recorded(cfg: PodConfig, topic: str, fingerprint: str) -> bool:
+    """Whether the log has seen this configuration: its topic (one record per configuration) read.
+    A topic not readable yet (just created) counts as not seen: the record is written again, and
+    compaction keeps one."""
+    try:
+        async for _, recs in read_to_end(
+            cfg.bootstrap, [TopicPartition(topic, 0)], timeout_s=10.0, security=cfg.security
+        ):
+            for rec in recs:
+                applied = decode_lane_config(rec.value, rec.headers)
+                if applied is not None and applied.fingerprint == fingerprint:
+                    return True
+    except Exception as exc:  # the world's: write it anyway
+        logger.debug("configuration topic not read", extra={"topic": topic, "error": repr(exc)[:300]})
+    return False
+
+
 async def record_lane_config(cfg: PodConfig, lane: LaneConfig) -> None:
-    """Write ``lane``'s configuration record (an idempotent produce, outside every transaction)."""
+    """Write ``lane``'s configuration record unless the log has it (an idempotent produce, outside
+    every transaction)."""
     topic = lane_config_topic(cfg.topics.state)
     options = cfg.security.client_options()
     if cfg.create_topics:
@@ -65,6 +85,12 @@ async def record_lane_config(cfg: PodConfig, lane: LaneConfig) -> None:
             await create_missing(admin, (spec,))
         finally:
             await admin.close()
+    if await _recorded(cfg, topic, lane.fingerprint):
+        logger.info(
+            "lane configuration already recorded",
+            extra={"configFingerprint": lane.fingerprint, "topic": topic},
+        )
+        return
     applied = lane.applied()
     applied.pod_id = cfg.pod_id
     applied.applied_at.CopyFrom(timestamp(dt.datetime.now(dt.UTC)))

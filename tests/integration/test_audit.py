@@ -99,7 +99,7 @@ async def _configs(bootstrap: str, state_topic: str, at_least: int) -> dict[str,
 
 
 async def test_replay_uses_each_decisions_recorded_configuration_and_names_a_changed_setting(
-    kafka_bootstrap: str, tmp_path: Path, no_leaked_runners: None
+    kafka_bootstrap: str, tmp_path: Path, no_leaked_runners: None, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A pod under routing A decides, is restarted with another workflow routing (B) and decides
     again. Replayed from a shell whose settings differ from both: no divergence. Replayed under B
@@ -152,6 +152,16 @@ async def test_replay_uses_each_decisions_recorded_configuration_and_names_a_cha
     assert {m.execution_id: m.meta.config_fingerprint for m in provisioned if m.execution_id == wf1} == {
         wf1: by_routing["execution"]
     }
+
+    # A restart with a configuration the log has seen writes no second record.
+    with caplog.at_level(logging.INFO, logger="sandbox_lanes.pod"):
+        async with running_pod(env_a):
+            deadline = time.monotonic() + 60
+            while not any(r.getMessage() == "lane configuration already recorded" for r in caplog.records):
+                assert time.monotonic() < deadline, "the restarted pod did not check its configuration record"
+                await asyncio.sleep(0.1)
+    raw = await read_topic(kafka_bootstrap, lane_config_topic(topics.state), at_least=2, settle_s=0.3)
+    assert len(raw) == 2, [r.key for r in raw]
 
     shell = load_settings(env_shell)
     report = await replay(kafka_bootstrap, topics, lane_config(shell), guarantee=shell.guarantee)
