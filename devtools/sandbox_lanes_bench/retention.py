@@ -9,9 +9,11 @@ is provisioned) their COMPLETED phase changes, then a wait past the retention. A
 * keys held in the pod's store at the wave's end (every teardown committed) and after the wait;
 * the pod process's RSS (``VmRSS``, after ``gc.collect()``) and the bytes its store holds (keys and
   serialized values). Not ``tracemalloc``: it slowed the pod 4-5x here;
-* the state topic restored by a fresh ``StateStore`` in another child process (``--repeats`` times,
+* the state topic restored by a fresh memory store in another child process (``--repeats`` times,
   read_committed, as a pod taking the partitions over): seconds, records read, keys kept and the
-  restoring process's peak RSS (``VmHWM``). A restore that meets a tombstone drops the key, so keys
+  restoring process's peak RSS (``VmHWM``); and once by the RocksDB store kept in one directory across
+  the waves (``disk_restore_*``: from the previous wave's checkpoint, so only that wave's records).
+  A restore that meets a tombstone drops the key, so keys
   restored drop whether or not compaction ran; records read drop only once it has.
 
 The wait after a wave with retention lasts until the pod holds no key: the pod tombstones at most
@@ -37,6 +39,7 @@ import gc
 import logging
 import multiprocessing
 import statistics
+import tempfile
 import time
 import uuid
 from typing import Any
@@ -200,22 +203,31 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
             await producer.stop()
 
 
-# --- a fresh StateStore's restore, in a child process -------------------------------------------
+# --- a store's restore, in a child process -------------------------------------------
 
 
 def _restore_child(
-    bootstrap: str, topic: str, partitions: int, retention_s: int, repeats: int, conn: Any
+    bootstrap: str,
+    topic: str,
+    partitions: int,
+    retention_s: int,
+    repeats: int,
+    conn: Any,
+    directory: str = "",
 ) -> None:
+    """``directory``: the RocksDB store kept there across waves (each wave's restore resumes from the
+    previous one's checkpoint); otherwise a fresh memory store."""
     try:
-        from consumers.runtime.state.store import MemoryStore
+        from consumers.runtime.state.store import open_store
 
         runs: list[dict[str, Any]] = []
         for _ in range(repeats):
-            store = MemoryStore(topic, retention_s)
+            store = open_store("rocksdb" if directory else "memory", topic, retention_s, directory or None)
             report = asyncio.run(
                 store.restore(bootstrap, range(partitions), isolation_level="read_committed")
             )
             runs.append({"seconds": report.seconds, "records": report.records, "keys": len(store)})
+            store.close()
             del store
             gc.collect()
         conn.send({"runs": runs, "rss_peak_mib": read_status("VmHWM") / MIB})
@@ -226,13 +238,13 @@ def _restore_child(
 
 
 async def _restore(
-    bootstrap: str, topic: str, partitions: int, retention_s: int, repeats: int
+    bootstrap: str, topic: str, partitions: int, retention_s: int, repeats: int, directory: str = ""
 ) -> dict[str, Any]:
     ctx = multiprocessing.get_context("spawn")
     loop = asyncio.get_running_loop()
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(
-        target=_restore_child, args=(bootstrap, topic, partitions, retention_s, repeats, child)
+        target=_restore_child, args=(bootstrap, topic, partitions, retention_s, repeats, child, directory)
     )
     proc.start()
     child.close()
@@ -280,6 +292,8 @@ async def _run(args: argparse.Namespace, bootstrap: str, retention_s: int, show:
     loop = asyncio.get_running_loop()
     label = f"retention {retention_s} s" if retention_s else "kept for ever"
     reports: list[dict[str, Any]] = []
+    disk_tmp = tempfile.TemporaryDirectory(prefix="bench-retention-state-")
+    disk_dir = disk_tmp.name
     try:
         # The pod never creates its inputs; the state topic gets the bench's scaled time constants.
         await create_topic(bootstrap, topics.state, args.partitions, state_topic_config())
@@ -300,6 +314,16 @@ async def _run(args: argparse.Namespace, bootstrap: str, retention_s: int, show:
                     report.update(
                         await _restore(bootstrap, topics.state, args.partitions, retention_s, args.repeats)
                     )
+                    # The RocksDB store restored once per wave into the same directory: from the
+                    # previous wave's checkpoint, so it reads only this wave's records.
+                    disk = await _restore(bootstrap, topics.state, args.partitions, retention_s, 1, disk_dir)
+                    report.update(
+                        {
+                            "disk_restore_seconds": disk["restore_seconds"],
+                            "disk_restore_records": disk["restore_records"],
+                            "disk_restore_keys": disk["restore_keys"],
+                        }
+                    )
                     reports.append(report)
                     parent.send("next")
                     bar.advance()
@@ -311,6 +335,7 @@ async def _run(args: argparse.Namespace, bootstrap: str, retention_s: int, show:
                 proc.kill()
             parent.close()
     finally:
+        disk_tmp.cleanup()
         await delete_topics(bootstrap, list(topics.all()))
     return {
         "retention_s": retention_s,
