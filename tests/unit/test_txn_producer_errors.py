@@ -17,7 +17,7 @@ from aiokafka.errors import (
 from confluent_kafka import KafkaError, KafkaException
 
 from consumers.runtime.kafka.failures import is_deterministic
-from consumers.runtime.kafka.txn_producer import RecordRefused, TransactionError, translate
+from consumers.runtime.kafka.txn_producer import FatalProducer, RecordRefused, TransactionError, translate
 
 
 def _raised(code: int) -> BaseException:
@@ -55,3 +55,12 @@ def test_a_record_refusal_is_deterministic_and_the_world_is_not(
 def test_what_is_not_librdkafkas_passes_through() -> None:
     error = ValueError("ours")
     assert translate(error) is error
+
+
+def test_a_fatal_producer_stands_down_as_fenced() -> None:
+    """After a fence librdkafka answers produce() with _FATAL (the fence only in its log): read as a
+    fence, so the pod rejoins instead of taking the partition over anew (which would fence its new
+    owner)."""
+    error = _raised(KafkaError._FATAL)
+    assert isinstance(error, FatalProducer) and isinstance(error, ProducerFenced)
+    assert not is_deterministic(error)

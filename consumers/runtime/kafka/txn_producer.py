@@ -63,6 +63,13 @@ class RecordRefused(TransactionError):
     """librdkafka refused a record for its content before sending it: deterministic."""
 
 
+class FatalProducer(ProducerFenced):  # type: ignore[misc]
+    """librdkafka made the producer fatal and answers ``_FATAL``: after a fence (its ``produce``
+    then raises ``_FATAL``, the fence itself only in its log) or an error it cannot recover from.
+    The pod stands down as for a fence: a rejoin is always safe, while taking the partition over
+    anew could fence the partition's new owner."""
+
+
 class BrokerWaitExpired(TransactionError):
     """A broker wait outlived its deadline: the producer is abandoned (a failure of the world)."""
 
@@ -129,6 +136,8 @@ def _as_aiokafka(error: KafkaError, where: str = "") -> BaseException:
     translated: BaseException
     if code in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH):
         translated = ProducerFenced(message)
+    elif code == KafkaError._FATAL or error.fatal():
+        translated = FatalProducer(message)
     elif code in _LOCAL_RECORD_CODES:
         translated = RecordRefused(message)
     elif code > 0:  # the broker's code: aiokafka's class for it (MessageSizeTooLargeError, ...)
