@@ -56,6 +56,7 @@ def pod_acls(principal: str, topics: Topics, group: str) -> list[list[str]]:
         DEFAULT_NAMES.session_deleted: topics.session_deleted,
         DEFAULT_NAMES.outcomes: topics.outcomes,
         DEFAULT_NAMES.state: topics.state,
+        DEFAULT_NAMES.lane_config: topics.lane_config,
         DEFAULT_NAMES.dead_letter: topics.dead_letter,
         "sandbox-lanes": group,
         "sandbox-lanes-p": f"{group}-p",
@@ -106,6 +107,7 @@ async def create_topics(broker: Any, topics: Topics, partitions: int = 2) -> Non
         configs = {topics.state: {"cleanup.policy": "compact"}}
         await admin.create_topics(
             [NewTopic(t, partitions, 1, topic_configs=configs.get(t, {})) for t in topics.all()]
+            + [NewTopic(topics.lane_config, 1, 1, topic_configs={"cleanup.policy": "compact"})]
         )
     finally:
         await admin.close()
@@ -190,7 +192,7 @@ async def test_the_pod_runs_the_whole_flow_over_sasl_ssl_with_exactly_the_docume
     read_env.update({k: v for k, v in env.items() if k.startswith("SANDBOX_LANES_TOPIC_")})
     secured_kafka.kafka_acls(
         "--add", "--allow-principal", f"User:{reader}", "--operation", "Read",
-        *(a for t in topics.all() for a in ("--topic", t)),
+        *(a for t in (*topics.all(), topics.lane_config) for a in ("--topic", t)),
     )  # fmt: skip
     tail = cli(read_env, "tail", "--idle-timeout", "3")
     assert tail.returncode == 0, tail.stderr[-2000:]

@@ -90,7 +90,8 @@ async def test_topics_apply_creates_the_plan_with_the_brokers_replication_and_th
     first = _cli(env, "topics", "--apply")
     assert first.returncode == 0, first.stderr
     assert first.stdout.splitlines() == [
-        f"created {name}" for name in (*topics.inputs, topics.state, topics.outcomes, topics.dead_letter)
+        f"created {name}"
+        for name in (*topics.inputs, topics.state, topics.outcomes, topics.dead_letter, topics.lane_config)
     ]
     again = _cli(env, "topics", "--apply")
     assert again.returncode == 0 and all(line.startswith("exists  ") for line in again.stdout.splitlines())
@@ -107,6 +108,8 @@ async def test_topics_apply_creates_the_plan_with_the_brokers_replication_and_th
     dlq = described[topics.dead_letter]["configs"]
     assert (dlq["cleanup.policy"], int(dlq["retention.ms"])) == ("delete", DEAD_LETTER_RETENTION_MS)
     assert described[topics.execution_created]["configs"]["cleanup.policy"] == "delete"
+    (config,) = (await _described(kafka_bootstrap, (topics.lane_config,))).values()
+    assert (config["partitions"], config["configs"]["cleanup.policy"]) == (1, "compact")
 
 
 async def test_an_explicit_replication_sets_min_insync_replicas(kafka_bootstrap: str, tmp_path: Path) -> None:

@@ -145,8 +145,10 @@ def test_topics_prints_the_plan_as_kafka_topics_commands_and_strimzi_resources()
         [script, "topics", "--bootstrap", "kafka:9092"], capture_output=True, text=True, env=env, check=True
     ).stdout
     lines = [shlex.split(line) for line in commands.splitlines() if not line.startswith("#")]
-    assert len(lines) == 6
+    assert len(lines) == 7
     by_topic = {args[args.index("--topic") + 1]: args for args in lines}
+    config = by_topic["sandbox-lanes-state-config"]  # the lane configuration records: one partition
+    assert config[config.index("--partitions") + 1] == "1" and "cleanup.policy=compact" in config
     state = by_topic["sandbox-lanes-state"]
     assert state[:3] == ["kafka-topics.sh", "--bootstrap-server", "kafka:9092"]
     assert (
@@ -172,6 +174,7 @@ def test_topics_prints_the_plan_as_kafka_topics_commands_and_strimzi_resources()
         "phase-changed",
         "session-deleted",
         "sandbox-lanes-state",
+        "sandbox-lanes-state-config",
         "sandbox-outcomes",
         "Lanes_DLQ",
     }

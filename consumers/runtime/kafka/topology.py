@@ -22,7 +22,7 @@ from typing import Any, Literal
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError, TopicAuthorizationFailedError, for_code
 
-from events.codec import TYPE_PREFIX
+from events.codec import TYPE_PREFIX, lane_config_topic
 from events.sandbox_lanes.v1 import inputs_pb2
 
 logger = logging.getLogger("sandbox_lanes.topology")
@@ -44,6 +44,11 @@ class Topics:
     @property
     def inputs(self) -> tuple[str, ...]:
         return (self.execution_created, self.phase_changed, self.session_deleted)
+
+    @property
+    def lane_config(self) -> str:
+        """The compacted topic of the lane configuration records (one partition), beside the state."""
+        return lane_config_topic(self.state)
 
     def carries(self, topic: str) -> str | None:
         """The one input event type (``ce_type``) ``topic`` carries; None for a topic not an input."""
@@ -86,7 +91,7 @@ DEAD_LETTER_TOPIC_CONFIG: dict[str, str] = {
     "retention.ms": str(DEAD_LETTER_RETENTION_MS),
 }
 
-Role = Literal["input", "state", "output", "dead-letter"]
+Role = Literal["input", "state", "output", "dead-letter", "config"]
 
 
 def min_insync_replicas(replication: int) -> int | None:
@@ -122,9 +127,11 @@ def plan_topics(topics: Topics, partitions: int, replication: int = BROKER_DEFAU
         (topics.state, "state", STATE_TOPIC_CONFIG),
         (topics.outcomes, "output", {}),
         (topics.dead_letter, "dead-letter", DEAD_LETTER_TOPIC_CONFIG),
+        (topics.lane_config, "config", {"cleanup.policy": "compact"}),
     ]
     return tuple(
-        TopicSpec(name, role, partitions, replication, {**configs, **common}) for name, role, configs in roles
+        TopicSpec(name, role, 1 if role == "config" else partitions, replication, {**configs, **common})
+        for name, role, configs in roles
     )
 
 
@@ -167,7 +174,10 @@ async def create_missing(
     missing = [s for s in specs if s.name not in existing and s.name not in hidden]
     if not missing:
         return []
-    response: Any = await admin.create_topics([_new_topic(s, partitions) for s in missing])
+    # The configuration records' topic keeps its one partition (it is read whole, keyed by fingerprint).
+    response: Any = await admin.create_topics(
+        [_new_topic(s, None if s.role == "config" else partitions) for s in missing]
+    )
     errors = []
     for topic, code, message in response.topic_errors:
         error = for_code(code)
