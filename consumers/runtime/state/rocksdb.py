@@ -10,6 +10,9 @@
 * ``m:checkpoint``: the state topic's offset the database reflects, with what it belongs to
   (topic name and id, partition, isolation level, format version, retention); ``m:count``: keys.
 
+A store's databases share one write buffer manager and one block cache (:data:`MEMTABLES_BYTES`,
+:data:`BLOCK_CACHE_BYTES`), so RocksDB's memory is bounded per pod, not per partition owned.
+
 The topic stays the truth. A committed transaction's writes reach the database in one write
 batch after its commit (:meth:`RocksDBStore.apply`). The producer does not tell the offsets of
 its transactional writes, so the checkpoint is a position the store has *read* the topic up to:
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf.message import DecodeError as ProtobufDecodeError
-from rocksdict import Options, Rdict, WriteBatch
+from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch, WriteBufferManager
 
 from consumers.lanes.retention import removable_from
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
@@ -60,21 +63,30 @@ def _ms(at: float) -> bytes:
     return struct.pack(">Q", max(0, int(at * 1000)))
 
 
-def _options() -> Options:
+#: What a store's databases share, whatever the number of partitions it owns: the memtables (all
+#: of them, flushed early past this) and the block cache. RocksDB's memory is bounded per pod.
+MEMTABLES_BYTES = 64 * 1024 * 1024
+BLOCK_CACHE_BYTES = 32 * 1024 * 1024
+
+
+def _options(memtables: WriteBufferManager, cache: Cache) -> Options:
     opts = Options(raw_mode=True)
     opts.create_if_missing(True)
-    # Small memtables: a pod holds one database per partition; the block cache is RocksDB's default.
     opts.set_write_buffer_size(8 * 1024 * 1024)
     opts.set_max_write_buffer_number(2)
     opts.set_keep_log_file_num(2)
+    opts.set_write_buffer_manager(memtables)
+    table = BlockBasedOptions()
+    table.set_block_cache(cache)
+    opts.set_block_based_table_factory(table)
     return opts
 
 
 class _Partition:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, options: Options) -> None:
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
-        self.db = Rdict(str(path), _options())
+        self.db = Rdict(str(path), options)
         raw = self.db.get(_COUNT)
         self.count = int(raw) if raw else 0
         #: Per key, the values applied since the checkpoint (None: a tombstone), oldest first.
@@ -108,6 +120,8 @@ class RocksDBStore:
         self._isolation = "read_committed"
         self._security = PLAINTEXT
         self._topic_id: str | None = None
+        self._memtables = WriteBufferManager(MEMTABLES_BYTES, False)
+        self._cache = Cache(BLOCK_CACHE_BYTES)
 
     # --- reads -------------------------------------------------------------------------------
 
@@ -220,7 +234,7 @@ class RocksDBStore:
         the pod's way in is :meth:`restore`)."""
         for p in partitions:
             if p not in self._parts:
-                self._parts[p] = _Partition(self._path(p))
+                self._parts[p] = self._open(p)
 
     def checkpoint_of(self, partition: int) -> dict[str, Any] | None:
         """The partition's recorded checkpoint (an owned partition's), for diagnostics and tests."""
@@ -229,6 +243,9 @@ class RocksDBStore:
 
     def _path(self, partition: int) -> Path:
         return self.directory / str(partition)
+
+    def _open(self, partition: int) -> _Partition:
+        return _Partition(self._path(partition), _options(self._memtables, self._cache))
 
     def _refused(
         self, found: dict[str, Any] | None, partition: int, bounds: Bounds, isolation: str
@@ -300,7 +317,7 @@ class RocksDBStore:
                 bounds = await reader.bounds()
                 starts: dict[int, int] = {}
                 for p in wanted:
-                    part = opened[p] = await asyncio.to_thread(_Partition, self._path(p))
+                    part = opened[p] = await asyncio.to_thread(self._open, p)
                     found = part.checkpoint()
                     why = self._refused(found, p, bounds[p], isolation_level)
                     if why is None and found is not None:
@@ -314,7 +331,7 @@ class RocksDBStore:
                         )
                     part.close()
                     await asyncio.to_thread(shutil.rmtree, part.path, True)
-                    opened[p] = await asyncio.to_thread(_Partition, self._path(p))
+                    opened[p] = await asyncio.to_thread(self._open, p)
                     starts[p] = bounds[p].beginning
                 seen_at = time.time()
                 async for p, recs in reader.read(starts, timeout_s=timeout_s):
