@@ -26,7 +26,10 @@ _ROLE_NOTE = {
     "state": "state: compacted, co-partitioned with the inputs; the pod creates it when missing",
     "output": "outcomes: the pod creates it when missing",
     "dead-letter": "dead letters: long retention; the pod creates it when missing",
-    "config": "lane configuration records (replay reads them): compacted, one partition; the pod creates it when missing",
+    "config": (
+        "lane configuration records (replay reads them): compacted, one partition;"
+        " the pod creates it when missing"
+    ),
 }
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -196,10 +197,26 @@ async def create_missing(
     return names
 
 
-async def check_co_partitioned(admin: AIOKafkaAdminClient, topics: Topics) -> int:
-    """The shared partition count of the inputs and the state, or a TopologyError naming each."""
-    counts = await _partition_counts(admin, topics.co_partitioned)
-    wanted = {name: counts.get(name) for name in topics.co_partitioned}
+#: How long a topic that was there (or was just created) may be missing from a broker's metadata
+#: answer: on a cluster, the broker that answers may not have the new topic yet.
+METADATA_LAG_S = 30.0
+
+
+async def check_co_partitioned(
+    admin: AIOKafkaAdminClient, topics: Topics, *, metadata_lag_s: float = METADATA_LAG_S
+) -> int:
+    """The shared partition count of the inputs and the state, or a TopologyError naming each.
+
+    A topic absent from the answer is looked for again for up to ``metadata_lag_s`` (a just-created
+    topic reaches each broker's metadata a moment later); a count that differs fails at once.
+    """
+    deadline = time.monotonic() + metadata_lag_s
+    while True:
+        counts = await _partition_counts(admin, topics.co_partitioned)
+        wanted = {name: counts.get(name) for name in topics.co_partitioned}
+        if None not in wanted.values() or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.5)
     if len(set(wanted.values())) != 1 or None in wanted.values():
         raise TopologyError(
             "input and state topics must have the same partition count (co-partitioning): "
