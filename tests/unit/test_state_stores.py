@@ -42,7 +42,9 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[type[object
 
     def factory(retention_s: float = 0.0) -> StateStore:
         store: StateStore = (
-            MemoryStore("state", retention_s) if request.param == "memory" else _rocksdb(tmp_path, retention_s)
+            MemoryStore("state", retention_s)
+            if request.param == "memory"
+            else _rocksdb(tmp_path, retention_s)
         )
         made.append(store)
         return store
