@@ -14,7 +14,10 @@ must be:
   :data:`CREATE_APPEND_MARGIN_MS` for the fetch's own wait) showed its highwater, and
 - the pod's position on it has reached that highwater (past control records too, which is why
   the position and not the last create applied is compared), and
-- no create of that partition fetched with this transaction's batch is still to be applied.
+- no create of that partition fetched with this transaction's batch is still to be applied, and
+- it is still so on a fetch answered :data:`CAUGHT_UP_CONFIRM_MS` later: a leader just elected (a
+  broker bounced) can answer with a high watermark below records its predecessor acknowledged,
+  until its followers fetch again; the confirmation outlasts that.
 
 Only the pod's own clock is read (when it first looked at the record, and when each fetch was
 answered), so a producer with a skewed clock can neither release a record early nor hold it for
@@ -32,6 +35,10 @@ from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 #: must be answered to vouch for it: the fetch may have been sent up to ``fetch_max_wait_ms``
 #: (500 ms) before its answer, and the record was appended before the pod saw it.
 CREATE_APPEND_MARGIN_MS = 1000
+#: How long the execution-created partition must stay caught up (on fetches answered that much apart)
+#: before a held record goes on: a new leader's high watermark catches up within its followers' next
+#: fetch (``replica.fetch.wait.max.ms``, 500 ms by default).
+CAUGHT_UP_CONFIRM_MS = 3000
 #: Held records remembered at most (a bound on memory, not a limit anyone should reach).
 _MAX_HELD = 100_000
 
@@ -49,6 +56,8 @@ class CreateOrderGate:
         self._unapplied_upto: dict[int, int] = {}
         #: When the pod first looked at each held record (its own wall clock, ms).
         self._held_since: dict[tuple[str, int, int], int] = {}
+        #: When a fetch first showed each held record's create partition caught up (ms, pod's clock).
+        self._caught_up_at: dict[tuple[str, int, int], int] = {}
 
     def begin(self, partition: int, last_create_offset: int | None = None) -> None:
         """A transaction for ``partition`` starts from what was committed; ``last_create_offset``:
@@ -80,10 +89,12 @@ class CreateOrderGate:
         self._in_progress.pop(partition, None)
         self._unapplied_upto.pop(partition, None)
         self._held_since = {ref: t for ref, t in self._held_since.items() if ref[1] != partition}
+        self._caught_up_at = {ref: t for ref, t in self._caught_up_at.items() if ref[1] != partition}
 
     def settled(self, rec: ConsumerRecord[bytes, bytes]) -> None:
         """The record was applied or dead-lettered: it is no longer held."""
         self._held_since.pop((rec.topic, rec.partition, rec.offset), None)
+        self._caught_up_at.pop((rec.topic, rec.partition, rec.offset), None)
 
     async def may_follow(self, consumer: AIOKafkaConsumer, rec: ConsumerRecord[bytes, bytes]) -> bool:
         """Could a create produced before this record still be unapplied on its partition number?"""
@@ -92,7 +103,9 @@ class CreateOrderGate:
             return False
         if len(self._held_since) > _MAX_HELD:
             self._held_since.clear()
-        seen_ms = self._held_since.setdefault((rec.topic, rec.partition, rec.offset), int(time.time() * 1000))
+            self._caught_up_at.clear()
+        ref = (rec.topic, rec.partition, rec.offset)
+        seen_ms = self._held_since.setdefault(ref, int(time.time() * 1000))
         if self._in_progress.get(rec.partition, -1) > rec.timestamp:
             return False  # a create stamped after this record was applied (same ms: maybe not)
         if rec.partition in self._unapplied_upto:
@@ -102,4 +115,8 @@ class CreateOrderGate:
         if highwater is None or polled is None or polled <= seen_ms + CREATE_APPEND_MARGIN_MS:
             return True  # no answer from that partition's leader since the record was seen
         position = await consumer.position(created)  # known (fetched): no broker round trip
-        return bool(position < highwater)
+        if position < highwater:
+            self._caught_up_at.pop(ref, None)
+            return True
+        caught_up = self._caught_up_at.setdefault(ref, polled)
+        return bool(polled < caught_up + CAUGHT_UP_CONFIRM_MS)

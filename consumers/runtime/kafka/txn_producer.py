@@ -108,6 +108,12 @@ class _Worker:
         self._calls.put(None)
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Read the answer of a call nobody waits for any more (so asyncio does not report it)."""
+    if not future.cancelled():
+        future.exception()
+
+
 def _answer(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     def settle() -> None:
         if future.done():
@@ -212,6 +218,7 @@ class TxnProducer:
             return await asyncio.wait_for(asyncio.shield(future), self.deadline_s)
         except TimeoutError:
             self.abandoned = True
+            future.add_done_callback(_retrieve)  # its late answer is nobody's: not an unhandled error
             name = getattr(call, "__name__", "a call")
             raise BrokerWaitExpired(
                 f"{self.transactional_id}: {name} did not return within {self.deadline_s:g}s"
@@ -220,6 +227,7 @@ class TxnProducer:
             # The caller stopped waiting (a shutdown bound): the call may still be running in
             # the thread, so the producer is no longer in a known state.
             self.abandoned = True
+            future.add_done_callback(_retrieve)
             raise
         except KafkaException as exc:
             failed = self._failed
