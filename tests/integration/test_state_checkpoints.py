@@ -206,7 +206,7 @@ async def test_a_pod_restarted_with_a_checkpoint_reads_only_the_tail_and_holds_w
     assert {p: c and c["offset"] for p, c in checkpoints.items()} == ends
     caplog.clear()
     async with running_pod(env) as composed:
-        # What was written since (the pod's start writes its lane configuration there) is the tail.
+        # Only what was written since its checkpoints is read (nothing here: the pod was down).
         tail = [r for r in await read_all(kafka_bootstrap, topics.state) if r.offset >= ends[r.partition]]
         assert _restored(caplog) == [(len(tail), 2)]  # both partitions from their checkpoint
         await produce(kafka_bootstrap, env, *(wf_created(e) for e in later))
