@@ -20,7 +20,10 @@ class PodMetrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.events_consumed = Counter(
-            "sandbox_lanes_events_consumed", "Input events consumed, by event type", ["type"], registry=r
+            "sandbox_lanes_events_consumed",
+            "Input events consumed, by event type and input partition",
+            ["type", "partition"],
+            registry=r,
         )
         self.decisions = Counter(
             "sandbox_lanes_decisions", "Lane decisions, by lane and outcome", ["lane", "outcome"], registry=r
@@ -36,7 +39,22 @@ class PodMetrics:
             registry=r,
         )
         self.dead_letters = Counter(
-            "sandbox_lanes_dead_letters", "Records sent to the dead-letter topic", registry=r
+            "sandbox_lanes_dead_letters",
+            "Records sent to the dead-letter topic, by reason class (DEAD_LETTER_REASONS)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in DEAD_LETTER_REASONS:  # each series at 0 from the start: increase() sees the first
+            self.dead_letters.labels(reason)
+        self.fences = Counter(
+            "sandbox_lanes_fences",
+            "Transactions refused because the partition's transactional id has a newer epoch (stood down)",
+            registry=r,
+        )
+        self.producers_abandoned = Counter(
+            "sandbox_lanes_producers_abandoned",
+            "Partition producers abandoned past a broker wait's deadline or a failed abort (taken over anew)",
+            registry=r,
         )
         self.duplicates = Counter("sandbox_lanes_duplicates", "Redelivered inputs ignored", registry=r)
         self.unparsable = Counter(
@@ -107,8 +125,8 @@ class PodMetrics:
         )
         self.time_to_sandbox = Histogram(
             "sandbox_lanes_time_to_sandbox_seconds",
-            "From the input event's commit of its decision to the commit of its outcome, by operation",
-            ["operation"],
+            "From the commit of a decision to the commit of its outcome, by driver and operation",
+            ["driver", "operation"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -123,7 +141,7 @@ class PodMetrics:
         # vocabularies, so the children are looked up once and kept (the registry keeps them too).
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._driver_children: dict[tuple[str, str, str], Histogram] = {}
-        self._consumed_children: dict[str, Counter] = {}
+        self._consumed_children: dict[tuple[str, int], Counter] = {}
 
     def set_build(self, version: str, revision: str) -> None:
         """``sandbox_lanes_build_info{version, revision} 1`` (one series: a previous one is removed)."""
@@ -136,11 +154,12 @@ class PodMetrics:
             child = self._decision_children[(lane, outcome)] = self.decisions.labels(lane, outcome)
         return child
 
-    def consumed(self, event_type: str) -> Counter:
-        """``events_consumed.labels(event_type)``, cached (it is counted once per record)."""
-        child = self._consumed_children.get(event_type)
+    def consumed(self, event_type: str, partition: int) -> Counter:
+        """``events_consumed.labels(event_type, partition)``, cached (it is counted once per record)."""
+        key = (event_type, partition)
+        child = self._consumed_children.get(key)
         if child is None:
-            child = self._consumed_children[event_type] = self.events_consumed.labels(event_type)
+            child = self._consumed_children[key] = self.events_consumed.labels(event_type, str(partition))
         return child
 
     def driver_observer(self, driver: str, operation: str, result: str) -> Histogram:
@@ -193,3 +212,18 @@ def _lane_of_event(decision: Decision) -> str:
     if isinstance(event, inputs_pb2.PhaseChanged):
         return "terminal"
     return "session_delete"
+
+
+#: The ``reason`` label of ``sandbox_lanes_dead_letters_total``: a bounded class of the reason (the
+#: reason itself is in the dead letter's ``dlq_reason`` header).
+DEAD_LETTER_REASONS = (
+    "undecodable",  # the codec refused it (garbage, a missing id or key, an unknown type or enum, ...)
+    "wrong_topic",  # an event type its topic does not carry
+    "clock_ahead",  # occurred_at too far ahead of the record's timestamp or of the pod's clock
+    "unknown_execution",  # a phase change whose create never came
+    "rejected",  # refused by the lane rules for another reason
+    "oversize",  # its derived state would exceed the record limit
+    "unparsable",  # the Kafka client cannot parse the record
+    "transaction_failed",  # its transaction failed the same way every attempt
+    "internal",  # the rules raised on it
+)

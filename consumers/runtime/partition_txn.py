@@ -43,6 +43,19 @@ logger = logging.getLogger("sandbox_lanes.pod")
 Records = list[ConsumerRecord[bytes, bytes]]
 
 
+#: How the pod's own reason for a record whose transaction kept failing starts.
+TRANSACTION_FAILED = "its transaction failed "
+
+
+def _decode_class(reason: str) -> str:
+    """The metric's class of a codec refusal."""
+    if "on a topic that carries" in reason:
+        return "wrong_topic"
+    if reason.startswith("meta.occurred_at is") and "ahead of" in reason:
+        return "clock_ahead"
+    return "undecodable"
+
+
 def _ahead_of_now(event: InputEvent) -> float | None:
     """Seconds the input's ``occurred_at`` is ahead of the pod's clock now (None: not stamped)."""
     if not event.meta.HasField("occurred_at"):
@@ -191,7 +204,14 @@ class PartitionTransaction:
         self.touch()
         doomed = self.doomed.get(record_ref(rec))
         if doomed is not None:
-            await self._dead_letter(rec, doomed.reason, unparsable=doomed.unparsable, bare=doomed.bare)
+            failed = doomed.reason.startswith(TRANSACTION_FAILED)
+            await self._dead_letter(
+                rec,
+                doomed.reason,
+                "transaction_failed" if failed else "unparsable",
+                unparsable=doomed.unparsable,
+                bare=doomed.bare,
+            )
             return False
         try:
             event = decode_input(
@@ -203,14 +223,16 @@ class PartitionTransaction:
                 topic_carries=self.config.topics.carries(rec.topic),
             )
         except DecodeError as exc:
-            await self._dead_letter(rec, exc.reason)
+            await self._dead_letter(rec, exc.reason, _decode_class(exc.reason))
             return False
         ahead_s = _ahead_of_now(event)
         if ahead_s is not None and ahead_s > self.config.max_clock_ahead_s > 0:
             # Its producer's clock runs ahead: stamped and timestamped in the future alike, it
             # passes the check against the record's timestamp, and applied it would make every
             # correct phase change after it stale. The pod's own clock is the reference here.
-            await self._dead_letter(rec, ahead_of_pod_reason(ahead_s, self.config.max_clock_ahead_s))
+            await self._dead_letter(
+                rec, ahead_of_pod_reason(ahead_s, self.config.max_clock_ahead_s), "clock_ahead"
+            )
             return False
         if isinstance(event, inputs_pb2.SessionDeleted) and await self.gate.may_follow(self.consumer, rec):
             return True  # a create of this session produced before the delete may still be ahead
@@ -224,7 +246,7 @@ class PartitionTransaction:
             if span is not None:
                 span.end()
             logger.exception("record processing raised", extra={"executionId": key})
-            await self._dead_letter(rec, f"internal error: {exc!r}")
+            await self._dead_letter(rec, f"internal error: {exc!r}", "internal")
             return False
         if (
             decision.reject is not None
@@ -257,10 +279,11 @@ class PartitionTransaction:
         # Counted once it is applied or dead-lettered, not on every look while it is held back.
         event_type = event.DESCRIPTOR.name
         self.stats.consumed[TYPE_PREFIX + event_type] += 1
-        self.metrics.consumed(event_type).inc()
+        self.metrics.consumed(event_type, rec.partition).inc()
         self.metrics.record_decision(decision, None, self.processor.config.driver_name)
         if decision.reject is not None:
-            await self._dead_letter(rec, decision.reject)
+            unknown = decision.reject.startswith("phase-changed for unknown execution")
+            await self._dead_letter(rec, decision.reject, "unknown_execution" if unknown else "rejected")
             return False
         if decision.duplicate:
             self.stats.duplicates += 1
@@ -272,7 +295,7 @@ class PartitionTransaction:
         record = encode(decision.state)
         too_large = oversize_reason("its state", record)
         if too_large is not None:
-            await self._dead_letter(rec, too_large)
+            await self._dead_letter(rec, too_large, "oversize")
             return False
         await self.sink.send(self.config.topics.state, record, partition=rec.partition)
         self.overlay[key] = decision.state
@@ -296,12 +319,14 @@ class PartitionTransaction:
         self,
         rec: ConsumerRecord[bytes, bytes],
         reason: str,
+        reason_class: str,
         *,
         unparsable: bool = False,
         bare: bool = False,
     ) -> None:
+        """``reason_class``: one of :data:`~consumers.runtime.metrics.DEAD_LETTER_REASONS` (its label)."""
         self.stats.dead_lettered += 1
-        self.metrics.dead_letters.inc()
+        self.metrics.dead_letters.labels(reason_class).inc()
         logger.warning(
             "record dead-lettered",
             extra={"topic": rec.topic, "partition": rec.partition, "offset": rec.offset, "reason": reason},

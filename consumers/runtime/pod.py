@@ -47,7 +47,7 @@ from consumers.runtime.kafka.topology import prepare_pod_topics
 from consumers.runtime.kafka.txn_producer import DEADLINE_GRACE_S
 from consumers.runtime.kafka.unparsable import Doom, RecordRef, fetch_around_unparsable, record_ref
 from consumers.runtime.metrics import PodMetrics
-from consumers.runtime.partition_txn import PartitionTransaction
+from consumers.runtime.partition_txn import TRANSACTION_FAILED, PartitionTransaction
 from consumers.runtime.pod_config import Health, PodConfig, PodStats, assess_health
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.shutdown import end_tasks, run_until_bound
@@ -841,7 +841,7 @@ class Pod:
             if decided is not None:
                 decided_at = decided[1]
                 operation = "ensure" if isinstance(completion.command, Ensure) else "deprovision"
-                self.metrics.time_to_sandbox.labels(operation).observe(now - decided_at)
+                self.metrics.time_to_sandbox.labels(driver, operation).observe(now - decided_at)
         self.stats.outputs.update(txn.counted)
         self.stats.batches += 1
         for kind, n in txn.counted.items():
@@ -926,7 +926,7 @@ class Pod:
                 },
             )
             return []
-        reason = f"its transaction failed {attempts} times the same way: {error}"
+        reason = f"{TRANSACTION_FAILED}{attempts} times the same way: {error}"
         doomed = self._doomed.get(subject)
         # Its dead letter failed as well (the dead-letter topic's own limit): the next one is bare.
         self._doomed[subject] = (
@@ -956,6 +956,7 @@ class Pod:
             with contextlib.suppress(Exception):
                 self._consumer.seek(tp, records[0].offset)
         if isinstance(exc, ProducerFenced):
+            self.metrics.fences.inc()
             # The transactional id has a newer epoch: another pod took the partition over (this
             # one was paused past its session timeout), or the broker aborted the transaction past
             # its timeout. Nothing of it may be written from here: stand down, and let the group
@@ -967,6 +968,7 @@ class Pod:
             with contextlib.suppress(Exception):  # a failed abort abandons the producer
                 await sink.abort()
         if sink.abandoned:
+            self.metrics.producers_abandoned.inc()
             # Its transaction's fate is unknown here (a commit may still land): the new producer's
             # InitProducerId settles it on the broker before the offsets and state are read again,
             # so nothing is committed twice. The results are void; the restored outbox re-runs them.

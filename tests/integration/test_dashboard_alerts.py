@@ -309,7 +309,7 @@ async def test_every_alert_fires_in_its_scenario_and_every_panel_returns_series(
 
                 # 2. A dead letter (a record that cannot be decoded).
                 await produce_raw(kafka_bootstrap, topics.execution_created, b"garbage", b"wfx_bad", [])
-                await scraped("sandbox_lanes_dead_letters_total", 1)
+                await scraped('sandbox_lanes_dead_letters_total{reason="undecodable"}', 1)
                 await firing({"SandboxLanesDeadLetters"})
 
                 # 3. A leaked sandbox: the driver's teardown fails (the pod's first leak: its

@@ -94,6 +94,12 @@ def value(parsed: Samples, name: str, **labels: str) -> float | None:
     return parsed.get((name, frozenset(labels.items())))
 
 
+def total(parsed: Samples, name: str, **labels: str) -> float:
+    """The sum over every series of ``name`` carrying ``labels`` (whatever its other labels)."""
+    wanted = set(labels.items())
+    return sum(v for (n, have), v in parsed.items() if n == name and wanted <= have)
+
+
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -218,15 +224,19 @@ async def test_metrics_health_and_readiness_of_a_running_pod(kafka_bootstrap: st
     async def metrics_moved() -> bool:
         nonlocal moved
         moved = samples((await http_get(port, "/metrics"))[2])
-        return value(moved, "sandbox_lanes_dead_letters_total") == 1 and (
+        return total(moved, "sandbox_lanes_dead_letters_total") == 1 and (
             value(moved, "sandbox_lanes_state_store_keys") == 3
         )
 
     await eventually(metrics_moved)
+    # Per input partition: summed here (which partition a key lands on is the partitioner's).
+    for event_type, want in (("ExecutionCreated", 2), ("PhaseChanged", 1), ("SessionDeleted", 1)):
+        assert total(moved, "sandbox_lanes_events_consumed_total", type=event_type) == want, event_type
+    partitions = {
+        dict(labels)["partition"] for name, labels in moved if name == "sandbox_lanes_events_consumed_total"
+    }
+    assert partitions and partitions <= {"0", "1"}, partitions
     expected = {
-        ("sandbox_lanes_events_consumed_total", (("type", "ExecutionCreated"),)): 2,
-        ("sandbox_lanes_events_consumed_total", (("type", "PhaseChanged"),)): 1,
-        ("sandbox_lanes_events_consumed_total", (("type", "SessionDeleted"),)): 1,
         ("sandbox_lanes_decisions_total", (("lane", "workflow"), ("outcome", "provisioned"))): 1,
         ("sandbox_lanes_decisions_total", (("lane", "session"), ("outcome", "provisioned"))): 1,
         ("sandbox_lanes_decisions_total", (("lane", "terminal"), ("outcome", "teardown_failed"))): 1,
@@ -242,7 +252,7 @@ async def test_metrics_health_and_readiness_of_a_running_pod(kafka_bootstrap: st
         ): 2,
         ("sandbox_lanes_outputs_total", (("type", "SandboxProvisioned"),)): 2,
         ("sandbox_lanes_outputs_total", (("type", "SandboxTeardownFailed"),)): 2,
-        ("sandbox_lanes_dead_letters_total", ()): 1,
+        ("sandbox_lanes_dead_letters_total", (("reason", "undecodable"),)): 1,
         ("sandbox_lanes_state_store_keys", ()): 3,
     }
     for (name, labels), want in expected.items():

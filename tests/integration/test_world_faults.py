@@ -164,6 +164,7 @@ async def test_a_record_of_another_topics_type_is_dead_lettered_at_once(
             ]
             waited = time.monotonic() - started
             assert composed.pod.stats.dead_lettered == 2
+            assert composed.metrics.dead_letters.labels("wrong_topic")._value.get() == 2
         letters = {
             (h["dlq_source_topic"], h["dlq_source_offset"]): h["dlq_reason"]
             for h in await _dead_letters(kafka_bootstrap, env)
@@ -231,6 +232,7 @@ async def test_a_producer_clock_running_ahead_cannot_make_later_phase_changes_st
                 outcomes_pb2.SandboxDeprovisioned,
             ], outcomes
             assert composed.pod.stats.dead_lettered == 1
+            assert composed.metrics.dead_letters.labels("clock_ahead")._value.get() == 1
         (letter,) = await _dead_letters(kafka_bootstrap, env)
         assert letter["dlq_source_offset"] == str(sent.offset)
         reason = letter["dlq_reason"]
@@ -312,6 +314,7 @@ async def test_a_fence_of_one_partition_amid_the_others_commits_harms_none(
                 await asyncio.sleep(0.5)
             assert pod.health().alive, pod.health()
             fenced = pod.stats.commit_failures
+            assert pod.metrics.fences._value.get() >= 1  # counted as fences, not as abandoned producers
         assert outcomes == {e: ["SandboxProvisioned", "SandboxDeprovisioned"] for e in executions}, {
             e: v for e, v in outcomes.items() if v != ["SandboxProvisioned", "SandboxDeprovisioned"]
         }
