@@ -9,7 +9,7 @@ record the client cannot parse comes as a placeholder (:func:`unparsable.is_plac
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
@@ -43,35 +43,51 @@ async def read_to_end(
         consumer.assign(list(partitions))
         await consumer.seek_to_beginning(*partitions)
         ends = await consumer.end_offsets(list(partitions))
-        #: Where each partition's next record is (a rewind after an unparsable record goes there).
-        nexts = await consumer.beginning_offsets(list(partitions))
-        pending = {tp for tp in partitions if ends[tp] > 0}
-        deadline = time.monotonic() + timeout_s
-
-        async def rewind(tp: TopicPartition) -> None:
-            consumer.seek(tp, nexts[tp])
-
-        while pending:
-            if time.monotonic() > deadline:
-                topics = sorted({tp.topic for tp in pending})
-                raise TimeoutError(f"reading {topics} did not reach the end in {timeout_s:g}s")
-            try:
-                batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
-            except Exception as exc:
-                if not is_deterministic(exc):
-                    raise
-                # A record the client cannot parse: its place comes as a placeholder.
-                batch, _ = await fetch_around_unparsable(
-                    consumer, sorted(pending), rewind, poll_ms=500, max_records=10_000
-                )
-            for tp, recs in batch.items():
-                kept = [r for r in recs if r.offset < ends[tp]]
-                if recs:
-                    nexts[tp] = recs[-1].offset + 1
-                if kept:
-                    yield tp, kept
-            for tp in list(pending):
-                if await consumer.position(tp) >= ends[tp]:
-                    pending.discard(tp)
+        starts = await consumer.beginning_offsets(list(partitions))
+        async for tp, kept in read_range(consumer, starts, ends, timeout_s=timeout_s):
+            yield tp, kept
     finally:
         await consumer.stop()
+
+
+async def read_range(
+    consumer: AIOKafkaConsumer,
+    starts: Mapping[TopicPartition, int],
+    ends: Mapping[TopicPartition, int],
+    *,
+    timeout_s: float = 300.0,
+) -> AsyncIterator[tuple[TopicPartition, list[ConsumerRecord[bytes, bytes]]]]:
+    """Yield ``(partition, records)`` batches of an assigned ``consumer`` from ``starts`` up to (not
+    including) ``ends``; a record the client cannot parse comes as a placeholder."""
+    #: Where each partition's next record is (a rewind after an unparsable record goes there).
+    nexts = dict(starts)
+    for tp, offset in nexts.items():
+        consumer.seek(tp, offset)
+    pending = {tp for tp in nexts if ends[tp] > nexts[tp]}
+    deadline = time.monotonic() + timeout_s
+
+    async def rewind(tp: TopicPartition) -> None:
+        consumer.seek(tp, nexts[tp])
+
+    while pending:
+        if time.monotonic() > deadline:
+            topics = sorted({tp.topic for tp in pending})
+            raise TimeoutError(f"reading {topics} did not reach the end in {timeout_s:g}s")
+        try:
+            batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
+        except Exception as exc:
+            if not is_deterministic(exc):
+                raise
+            # A record the client cannot parse: its place comes as a placeholder.
+            batch, _ = await fetch_around_unparsable(
+                consumer, sorted(pending), rewind, poll_ms=500, max_records=10_000
+            )
+        for tp, recs in batch.items():
+            kept = [r for r in recs if r.offset < ends[tp]]
+            if recs:
+                nexts[tp] = recs[-1].offset + 1
+            if kept:
+                yield tp, kept
+        for tp in list(pending):
+            if await consumer.position(tp) >= ends[tp]:
+                pending.discard(tp)

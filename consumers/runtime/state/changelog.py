@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
-from consumers.runtime.kafka.failures import is_deterministic
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
-from consumers.runtime.kafka.unparsable import fetch_around_unparsable
+from consumers.runtime.kafka.topic_reader import read_range
 
 logger = logging.getLogger("sandbox_lanes.state")
 
@@ -102,37 +100,9 @@ class ChangelogReader:
         """``(partition, records)`` batches from ``starts`` up to the ends :meth:`bounds` took."""
         if not self._ends:
             await self.bounds()
-        consumer = self.consumer
-        nexts: dict[TopicPartition, int] = {}
-        for tp in self.tps:
-            nexts[tp] = starts.get(tp.partition, 0)
-            consumer.seek(tp, nexts[tp])
-        pending = {tp for tp in self.tps if self._ends[tp] > nexts[tp]}
-        deadline = time.monotonic() + timeout_s
-
-        async def rewind(tp: TopicPartition) -> None:
-            consumer.seek(tp, nexts[tp])
-
-        while pending:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"reading {self.topic} did not reach the end in {timeout_s:g}s")
-            try:
-                batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
-            except Exception as exc:
-                if not is_deterministic(exc):
-                    raise
-                batch, _ = await fetch_around_unparsable(
-                    consumer, sorted(pending), rewind, poll_ms=500, max_records=10_000
-                )
-            for tp, recs in batch.items():
-                kept = [r for r in recs if r.offset < self._ends[tp]]
-                if recs:
-                    nexts[tp] = recs[-1].offset + 1
-                if kept:
-                    yield tp.partition, kept
-            for tp in list(pending):
-                if await consumer.position(tp) >= self._ends[tp]:
-                    pending.discard(tp)
+        begin = {tp: starts.get(tp.partition, 0) for tp in self.tps}
+        async for tp, kept in read_range(self.consumer, begin, self._ends, timeout_s=timeout_s):
+            yield tp.partition, kept
 
     def ends(self) -> dict[int, int]:
         return {tp.partition: off for tp, off in self._ends.items()}
