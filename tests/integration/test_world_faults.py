@@ -69,6 +69,18 @@ async def _outcomes(bootstrap: str, env: dict[str, str], execution_id: str, coun
     raise AssertionError(f"{execution_id}: {len(found)} of {count} outcomes: {found}")
 
 
+async def _provisioned(
+    producer: AIOKafkaProducer, bootstrap: str, env: dict[str, str], execution_id: str
+) -> None:
+    """Produce a workflow's create and wait for its sandbox."""
+    create = encode(wf_created(execution_id))
+    topic = load_settings(env).topics.execution_created
+    await producer.send_and_wait(topic, create.value, key=create.key, headers=create.headers)
+    assert [type(o) for o in await _outcomes(bootstrap, env, execution_id, 1)] == [
+        outcomes_pb2.SandboxProvisioned
+    ]
+
+
 async def _dead_letters(bootstrap: str, env: dict[str, str]) -> list[dict[str, str]]:
     topic = load_settings(env).topics.dead_letter
     return [r.headers for r in await read_topic(bootstrap, topic, settle_s=0.2, timeout_s=5)]
@@ -134,13 +146,7 @@ async def test_a_record_of_another_topics_type_is_dead_lettered_at_once(
     producer = await _producer(kafka_bootstrap)
     try:
         async with running_pod(env) as composed:
-            create = encode(wf_created(live))
-            await producer.send_and_wait(
-                topics.execution_created, create.value, key=create.key, headers=create.headers
-            )
-            assert [type(o) for o in await _outcomes(kafka_bootstrap, env, live, 1)] == [
-                outcomes_pb2.SandboxProvisioned
-            ]
+            await _provisioned(producer, kafka_bootstrap, env, live)
             # A workflow phase change labelled SessionDeleted (it would decode as one and end the live
             # workflow's session), and a phase change written to the execution-created topic.
             phase = encode(wf_terminal(live))
@@ -201,13 +207,7 @@ async def test_a_producer_clock_running_ahead_cannot_make_later_phase_changes_st
     producer = await _producer(kafka_bootstrap)
     try:
         async with running_pod(env) as composed:
-            create = encode(wf_created(execution_id))
-            await producer.send_and_wait(
-                topics.execution_created, create.value, key=create.key, headers=create.headers
-            )
-            assert [type(o) for o in await _outcomes(kafka_bootstrap, env, execution_id, 1)] == [
-                outcomes_pb2.SandboxProvisioned
-            ]
+            await _provisioned(producer, kafka_bootstrap, env, execution_id)
             # A producer whose clock is 50 minutes ahead (inside the broker's own 1 h allowance for
             # CreateTime): the event's stamp and the record's timestamp agree, both in the future.
             ahead_s = 50 * 60
