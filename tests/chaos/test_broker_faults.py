@@ -171,6 +171,11 @@ async def test_broker_bounces_under_exactly_once_lose_nothing_and_stall_no_pod(
         rate_per_s=EXECUTIONS_PER_S,
         early_share=0.0,  # no reorder within a history: every input here is valid
         session_delete_share=0.0,  # a delete against other partitions' creates depends on their pace
+        # A create's retry (a new event id, a no-op) and the phase changes produced after it are on two
+        # topics: held back by a fault on the create's partition, the retry is applied after them (the
+        # pod orders an execution's records across topics only until its create is applied; see
+        # docs/guarantees.md, Cross-topic order), which the oracle's final-state check does not expect.
+        retry_share=0.0,
         base=dt.datetime.now(dt.UTC).replace(microsecond=0),
     )
     env = unique_env(
