@@ -179,7 +179,7 @@ async def test_the_compose_flow_runs_on_the_real_broker(
     }
     topics: Topics = load_settings(env).topics
     applied = _cli(env, *compose_config["services"]["topics"]["command"])  # the topics service
-    assert applied.returncode == 0 and len(applied.stdout.splitlines()) == 6, applied.stderr
+    assert applied.returncode == 0 and len(applied.stdout.splitlines()) == 7, applied.stderr
     pod = PodProcess(env, tmp_path / "pod.log")
     pod.start()
     try:
