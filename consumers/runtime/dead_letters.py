@@ -13,7 +13,7 @@ from typing import Final
 from aiokafka import ConsumerRecord
 
 from consumers.runtime.kafka.failures import RECORD_LIMIT_BYTES, record_size
-from events.codec import EncodedRecord
+from events.codec import EncodedRecord, Headers, header
 
 #: What a dead letter keeps of the original's key and headers (a key is an id; headers are
 #: metadata); the value gets the rest of the record limit.
@@ -60,6 +60,18 @@ def _envelope(topic: str, partition: int, offset: int, reason: str, pod_id: str)
         ("dlq_source_offset", str(offset).encode()),
         ("dlq_pod", pod_id.encode()),
     ]
+
+
+def source_of_dead_letter(headers: Headers) -> tuple[str, int, int] | None:
+    """The (topic, partition, offset) a dead letter's envelope names; None when it names no number."""
+    try:
+        return (
+            header(headers, "dlq_source_topic") or "",
+            int(header(headers, "dlq_source_partition") or -1),
+            int(header(headers, "dlq_source_offset") or -1),
+        )
+    except ValueError:
+        return None
 
 
 def dead_letter_record(rec: ConsumerRecord[bytes, bytes], reason: str, pod_id: str) -> EncodedRecord:

@@ -37,6 +37,7 @@ from consumers.lanes.constants import (
 )
 from consumers.lanes.outbox import effect_id_of
 from consumers.lanes.retention import finished
+from consumers.runtime.dead_letters import source_of_dead_letter
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.kafka.topology import Topics
 from consumers.runtime.processor import LaneProcessor
@@ -329,15 +330,9 @@ async def build_story(
     dead_letters: dict[tuple[str, int, int], ConsumerRecord[bytes, bytes]] = {}
     for recs in dlq_recs.values():
         for rec in recs:
-            try:
-                where = (
-                    header(rec.headers, "dlq_source_topic") or "",
-                    int(header(rec.headers, "dlq_source_partition") or -1),
-                    int(header(rec.headers, "dlq_source_offset") or -1),
-                )
-            except ValueError:
-                continue
-            dead_letters[where] = rec
+            where = source_of_dead_letter(rec.headers)
+            if where is not None:
+                dead_letters[where] = rec
 
     ordered = merged_inputs(inputs_by_tp, topics)
     fingerprint_of = recorded_fingerprints(ordered, evidence)

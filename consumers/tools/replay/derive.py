@@ -23,7 +23,7 @@ from consumers.lanes.commands import (
 from consumers.lanes.retention import finished
 from consumers.ops.progress import progress
 from consumers.ops.reaper import partitions_of
-from consumers.runtime.dead_letters import AHEAD_OF_POD_CLOCK
+from consumers.runtime.dead_letters import AHEAD_OF_POD_CLOCK, source_of_dead_letter
 from consumers.runtime.executor import CommandRunner
 from consumers.runtime.kafka.codecs import require_codecs
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
@@ -212,14 +212,7 @@ async def replay(
     recorded_dlq: dict[tuple[str, int, int], tuple[str, ConsumerRecord[bytes, bytes]]] = {}
     for recs in dlq_recs.values():
         for rec in recs:
-            try:
-                where = (
-                    header(rec.headers, "dlq_source_topic") or "",
-                    int(header(rec.headers, "dlq_source_partition") or -1),
-                    int(header(rec.headers, "dlq_source_offset") or -1),
-                )
-            except ValueError:
-                where = ("", -1, rec.offset)
+            where = source_of_dead_letter(rec.headers) or ("", -1, rec.offset)
             recorded_dlq[where] = (header(rec.headers, "dlq_reason") or "", rec)
     recorded_states: dict[str, state_pb2.ExecutionState | None] = {}
     #: When each key's state was tombstoned (record timestamps, in topic order).
