@@ -94,11 +94,11 @@ async def _write_states(bootstrap: str, topic: str, n: int, partitions: int, sho
                     pending.append(await producer.send_batch(batch, topic, partition=part))
                     batch = batches[part] = producer.create_batch()
                     batch.append(key=key, value=value, timestamp=None, headers=headers)
-                if i % 10_000 == 9_999:
-                    bar.advance(10_000)
-                    if len(pending) > 64:
+                    if len(pending) >= 16:  # at most 16 MiB of batches in flight (10M states: GiBs)
                         await asyncio.gather(*pending)
                         pending = []
+                if i % 10_000 == 9_999:
+                    bar.advance(10_000)
             for part, batch in batches.items():
                 if batch.record_count():
                     batch.close()
