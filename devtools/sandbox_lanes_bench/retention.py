@@ -19,6 +19,10 @@ is provisioned) their COMPLETED phase changes, then a wait past the retention. A
 The wait after a wave with retention lasts until the pod holds no key: the pod tombstones at most
 ``max_batch`` (500) due keys a second, so it also shows how long a wave takes to clear.
 
+Over the whole run the pod's child also samples keys held and RSS (``VmRSS``, no ``gc.collect()``) every
+``SAMPLE_EVERY_S``: each run's ``samples`` rows ``[t_s, keys_held, rss_mib]``, seconds from the first
+wave's start, and each wave's ``t_s`` at its report (the keys and RSS over time of the plot).
+
 One run with ``SANDBOX_LANES_STATE_RETENTION_S`` = ``--retention-seconds`` (2), one with 0 (kept for
 ever), same broker, same stream. With retention, keys, memory and restore stay flat (≈ what is in
 flight); kept, they grow with every wave. Figures are per wave and as ratios to the first wave.
@@ -65,6 +69,8 @@ BENCH_STATE_OVERRIDES = {
     "delete.retention.ms": "1000",
     "min.cleanable.dirty.ratio": "0.01",
 }
+#: How often the pod's child samples its keys held and RSS (the time series of the plot).
+SAMPLE_EVERY_S = 0.25
 #: What each wave reports, and what the ratios to the first wave are taken of.
 RATIO_KEYS = (
     "keys_at_wave_end",
@@ -159,9 +165,20 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
             max_batch_size=512 * 1024,
         )  # fmt: skip
         await producer.start()
+        samples: list[tuple[float, int, float]] = []
+
+        async def sample() -> None:
+            """(seconds since the first wave, keys held, RSS MiB) every SAMPLE_EVERY_S, the whole run."""
+            while True:
+                samples.append((time.perf_counter() - began, len(pod.states), read_status("VmRSS") / MIB))
+                await asyncio.sleep(SAMPLE_EVERY_S)
+
+        sampler: asyncio.Task[None] | None = None
         try:
             gc.collect()
             conn.send({"ready_rss_mib": read_status("VmRSS") / MIB})
+            began = time.perf_counter()
+            sampler = asyncio.create_task(sample())
             for wave in range(spec["waves"]):
                 ids = [f"{spec['tag']}-w{wave}-{i:06d}" for i in range(n)]
                 started = time.perf_counter()
@@ -194,12 +211,18 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
                         "store_mib": store_bytes / MIB,
                         "live_sandboxes": len(provisioner.live),
                         "max_transaction_s": pod.stats.max_transaction_s,
+                        "t_s": time.perf_counter() - began,
+                        # the samples since the last report; the parent joins them into the run's series
+                        "samples": samples[:],
                     }
                 )
+                samples.clear()
                 go = await loop.run_in_executor(None, conn.recv)  # the parent's restore is done
                 if go != "next":
                     return
         finally:
+            if sampler is not None:
+                sampler.cancel()
             await producer.stop()
 
 
@@ -292,6 +315,7 @@ async def _run(args: argparse.Namespace, bootstrap: str, retention_s: int, show:
     loop = asyncio.get_running_loop()
     label = f"retention {retention_s} s" if retention_s else "kept for ever"
     reports: list[dict[str, Any]] = []
+    series: list[list[float]] = []
     disk_tmp = tempfile.TemporaryDirectory(prefix="bench-retention-state-")
     disk_dir = disk_tmp.name
     try:
@@ -311,6 +335,8 @@ async def _run(args: argparse.Namespace, bootstrap: str, retention_s: int, show:
                     report = await loop.run_in_executor(None, recv, parent, max(300.0, n / 20))
                     if "error" in report:
                         raise RuntimeError(f"{label}: {report['error']}")
+                    rows = report.pop("samples")
+                    series.extend([round(t, 3), keys, round(rss, 2)] for t, keys, rss in rows)
                     report.update(
                         await _restore(bootstrap, topics.state, args.partitions, retention_s, args.repeats)
                     )
@@ -341,6 +367,9 @@ async def _run(args: argparse.Namespace, bootstrap: str, retention_s: int, show:
         "retention_s": retention_s,
         "ready_rss_mib": first["ready_rss_mib"],
         "waves": reports,
+        # over time, while the pod runs (the parent's restores after each wave included): one row per
+        # sample, what the plot of keys and RSS over time is drawn from (sandbox_lanes_bench.plots)
+        "samples": {"columns": ["t_s", "keys_held", "rss_mib"], "every_s": SAMPLE_EVERY_S, "rows": series},
         "ratios_to_first_wave": {key: _ratios([r[key] for r in reports]) for key in RATIO_KEYS},
     }
 

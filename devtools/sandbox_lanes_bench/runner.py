@@ -152,6 +152,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated subset of {','.join(FIGURES)} (default: all but {', '.join(OPT_IN)})",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--plots",
+        metavar="DIR",
+        help="where the run writes its figures as SVG plots (default: beside --out, <out stem>-plots/)",
+    )
+    parser.add_argument("--no-plots", action="store_true", help="write no plots after the run")
+    parser.add_argument(
+        "--plots-from",
+        nargs="+",
+        metavar="JSON",
+        help="measure nothing: draw the plots of these saved --out files (figures merged, a later "
+        "file's figure replacing an earlier one's) into --plots DIR",
+    )
 
 
 # --- orchestration ------------------------------------------------------------------------------
@@ -226,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
     # The pod's per-decision info lines are not what is measured: warning unless asked (--log-level).
     level = getattr(args, "log_level", None)
     setup_logging(level if level not in (None, "info") else "warning")
+    if getattr(args, "plots_from", None):
+        return _plots_only(args.plots_from, getattr(args, "plots", None))
     only = {f.strip() for f in args.only.split(",") if f.strip()}
     unknown = only - set(FIGURES)
     if unknown:
@@ -298,6 +313,42 @@ def _run(args: argparse.Namespace, only: set[str], needs_kafka: bool) -> int:
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     print(render_table(doc))
     print(f"\nJSON: {args.out}")
+    if getattr(args, "no_plots", False):
+        return 0
+    return _write_plots(doc, Path(args.plots) if getattr(args, "plots", None) else plots_dir_of(args.out))
+
+
+# --- plots --------------------------------------------------------------------------------------
+
+
+def plots_dir_of(out: str) -> Path:
+    """Where a run's plots go by default: beside its JSON, ``<out stem>-plots/``."""
+    path = Path(out)
+    return path.with_name(f"{path.stem}-plots")
+
+
+def _write_plots(doc: dict[str, Any], directory: Path) -> int:
+    try:
+        from sandbox_lanes_bench.plots import render
+    except ImportError as exc:  # matplotlib is a dependency of the dev tools' distribution (devtools/)
+        print(f"plots: not drawn ({exc}; reinstall the dev tools: pip install -e devtools)", file=sys.stderr)
+        return 0
+    written = render(doc, directory)
+    print(f"plots: {', '.join(str(p) for p in written) if written else 'none (no figure to draw)'}")
+    return 0
+
+
+def _plots_only(sources: list[str], directory: str | None) -> int:
+    """``--plots-from``: the plots of saved runs, nothing measured."""
+    from sandbox_lanes_bench.plots import load, render
+
+    missing = [s for s in sources if not Path(s).is_file()]
+    if missing:
+        print(f"sandbox-lanes bench: no such file {missing}", file=sys.stderr)
+        return 2
+    target = Path(directory) if directory else plots_dir_of(sources[0])
+    written = render(load([Path(s) for s in sources]), target)
+    print(f"plots: {', '.join(str(p) for p in written) if written else 'none (no figure to draw)'}")
     return 0
 
 
