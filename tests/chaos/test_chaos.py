@@ -2,12 +2,15 @@
 duplicated / reordered input and failing drivers, on real Kafka; every invariant must hold.
 
 The broker-restart run uses its own KafkaBroker (the session fixture's broker is shared with every
-other test and is never restarted); the others run on the fixture's broker.
+other test and is never restarted); the others run on the fixture's broker. The broker-restart run's
+pods keep their states on disk (``SANDBOX_LANES_STATE_STORE=rocksdb``, a state directory per pod id
+kept across its kills, as a StatefulSet's volume): restarts resume from their checkpoints.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -44,7 +47,9 @@ async def _chaos(opts: ChaosOptions) -> list[str]:
 
 
 @pytest.mark.timeout(420)
-async def test_chaos_memory_driver_with_kills_a_broker_restart_and_a_rebalance(tmp_path: Path) -> None:
+async def test_chaos_memory_driver_with_kills_a_broker_restart_and_a_rebalance_on_the_disk_store(
+    tmp_path: Path,
+) -> None:
     lines = await _chaos(
         ChaosOptions(
             executions=300,
@@ -57,11 +62,20 @@ async def test_chaos_memory_driver_with_kills_a_broker_restart_and_a_rebalance(t
             rebalance_windows=1,
             latency_ms=2000,  # calls take 0-2 s: in flight across kills, the broker restart, rebalances
             hang_rate=0.01,  # and 1 % hang until the ensure/teardown timeout
+            state_store="rocksdb",
             work_dir=tmp_path,
         )
     )
     figures = _figures(lines)
     assert figures["kills"] == 2 and figures["broker restarts"] == 1, figures
+    # The premise: the pods' states were on disk, and restarts after the kills resumed from checkpoints.
+    restores = [
+        json.loads(line)
+        for log in sorted(tmp_path.rglob("pod-*.log"))
+        for line in log.read_text().splitlines()
+        if '"state restored"' in line
+    ]
+    assert any(r["fromCheckpoint"] > 0 for r in restores), restores
     assert figures["duplicates injected"] > 0 and figures["injected duplicates ignored"] > 0, figures
     # exactly_once: an input is ignored as a duplicate only when it was injected twice.
     assert figures["inputs redelivered after a kill and ignored"] == 0, figures

@@ -73,6 +73,9 @@ class ChaosOptions:
     feed_seconds: float | None = None
     partitions: int = 3
     settle_timeout_s: float = 300.0
+    #: The pods' state store (``SANDBOX_LANES_STATE_STORE``); ``rocksdb``: each pod id keeps its own
+    #: state directory across its restarts (a StatefulSet's volume), so a restart reads its tail.
+    state_store: str = "memory"
     work_dir: Path | None = None
     report: Path | None = None
     show_progress: bool | None = None
@@ -106,9 +109,10 @@ class Fleet:
 
     def _new(self, pod_id: str) -> PodProcess:
         self.starts += 1
-        pod = PodProcess(
-            {**self.env, "SANDBOX_LANES_POD_ID": pod_id}, self.logs / f"{pod_id}-{self.starts}.log"
-        )
+        env = {**self.env, "SANDBOX_LANES_POD_ID": pod_id}
+        if env.get("SANDBOX_LANES_STATE_STORE") == "rocksdb":
+            env["SANDBOX_LANES_STATE_DIR"] = str(self.logs / f"state-{pod_id}")
+        pod = PodProcess(env, self.logs / f"{pod_id}-{self.starts}.log")
         pod.start()
         return pod
 
@@ -423,6 +427,7 @@ async def one_run(
         SANDBOX_LANES_PARTITIONS=str(opts.partitions),
         SANDBOX_LANES_HTTP_PORT="0",  # no HTTP server: pods share the host
         SANDBOX_LANES_REAP_INTERVAL_S="0",  # the reaper runs once, at the end, where it is checked
+        SANDBOX_LANES_STATE_STORE=opts.state_store,
         **LANE_ENV,
         **_driver_env(opts, work, workload, rng),
     )
@@ -431,7 +436,7 @@ async def one_run(
     all_ids = {p.event.meta.event_id for p in workload.all_records()}
     out(
         f"[{guarantee}] {opts.executions} executions, {workload.counts['events']} records, driver {opts.driver}, "
-        f"group {settings.group_id}, logs in {work}"
+        f"state store {opts.state_store}, group {settings.group_id}, logs in {work}"
     )
     fleet = Fleet(env, work)
     broker_restarts = 0
