@@ -6,15 +6,28 @@ import json
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 import pytest
 from harness.dockerd import Dockerd
+from sandbox_lanes_bench.plots import burst_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.kafka, pytest.mark.docker]
+
+
+def _plots(directory: Path, expected: set[str]) -> None:
+    """The run's plots beside its JSON: exactly the charts its figures allow, each a non-empty SVG."""
+    assert {p.name for p in directory.glob("*")} == {f"{name}.svg" for name in expected}, directory
+    for name in expected:
+        path = directory / f"{name}.svg"
+        assert path.stat().st_size > 0, path
+        root = ET.parse(path).getroot()
+        assert root.tag == "{http://www.w3.org/2000/svg}svg", (path, root.tag)
+        assert root.find(".//{http://www.w3.org/2000/svg}path") is not None, f"{path}: nothing drawn"
 
 
 def _positive(fig: dict[str, Any], *keys: str) -> None:
@@ -111,6 +124,11 @@ def test_bench_tiny_run_writes_every_figure(
         assert "error" not in drv, drv
         _positive(drv, "samples", "ensure_p50_ms", "ensure_p99_ms", "re_ensure_p50_ms", "re_ensure_p99_ms")
 
+    # the figures as pictures, beside the JSON: latency (figure 3) and the peers (figure 8); no burst or
+    # retention figure in the default set, so no such chart
+    _plots(tmp_path / "bench-plots", {"latency", "peers"})
+    assert f"plots: {tmp_path / 'bench-plots' / 'latency.svg'}" in proc.stdout
+
 
 @pytest.mark.kubernetes
 @pytest.mark.timeout(600)  # five bursts, a private node and controller's start and stop
@@ -157,6 +175,9 @@ def test_bench_tiny_burst_measures_time_to_sandbox_for_every_driver(
     _positive(warm, "assigned_p50_ms", "sequential_assigned_p50_ms", "sequential_assigned_p99_ms")
     assert sum(warm["launches"].values()) == 6 and warm["adoption_misses"] == 0, warm  # burst + one by one
     assert "agent-sandbox warm, 3 creates one at a time on a full pool" in proc.stdout
+    # the latency distributions per driver and launch type; the breakdown where rows carry their steps
+    with_steps = [label for label, row in burst_rows(burst) if row.get("steps_p50_ms")]
+    _plots(tmp_path / "burst-plots", {"burst-latency"} | ({"burst-breakdown"} if with_steps else set()))
 
 
 @pytest.mark.timeout(300)  # two pods (a process each), two waves each, a restore after every wave
@@ -191,6 +212,15 @@ def test_bench_tiny_retention_keeps_state_flat_next_to_kept(kafka_bootstrap: str
     assert kept["ratios_to_first_wave"]["keys_held"] == [1.0, 2.0]
     assert "9. bounded state: 2 waves of 200 workflow executions" in proc.stdout
     assert "| keys held after the wait, kept | 200 (1.00x) | 400 (2.00x) |" in proc.stdout
+    # keys and RSS over time: with retention never more than one wave's keys, kept all of them
+    for run, most in ((ret, 200), (kept, 400)):
+        assert run["samples"]["columns"] == ["t_s", "keys_held", "rss_mib"]
+        rows = run["samples"]["rows"]
+        assert len(rows) >= 4, rows
+        assert [r[0] for r in rows] == sorted(r[0] for r in rows)
+        assert max(r[1] for r in rows) == most, (run["retention_s"], rows)
+        assert all(r[2] > 0 for r in rows)
+    _plots(tmp_path / "retention-plots", {"retention"})
 
 
 @pytest.mark.timeout(600)  # four systems' throughput, then each at half of it and one at a time; three slow
@@ -236,3 +266,4 @@ def test_bench_tiny_peers_latency_and_slow_driver(kafka_bootstrap: str, tmp_path
         _positive(fig, "events_per_s", "seconds", "time_to_outcome_p50_ms")
     _positive(slow, "ratio_pod_quix", "pod_driver_concurrency")
     assert "11. slow driver (20 events, 5-20 ms per ensure)" in proc.stdout
+    _plots(tmp_path / "peers-latency-plots", {"peers"})  # figure 10's half of the peers chart
