@@ -207,19 +207,26 @@ def _one_at_a_time(rows: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, di
     return out
 
 
-def _burst_latency(doc: Mapping[str, Any]) -> Figure | None:
-    burst = _figure(doc, "burst")
-    if burst is None:
-        return None
+#: One panel of the latency chart: its title, and per label the samples or the (p50, p99) drawn.
+Panel = tuple[str, list[tuple[str, list[float] | None, tuple[float, float] | None]]]
+
+
+def burst_panels(burst: Mapping[str, Any]) -> list[Panel]:
+    """What the latency chart draws, per metric that any row has."""
     rows = _one_at_a_time(list(burst_rows(burst)))
-    panels = []
+    panels: list[Panel] = []
     for metric, (title, pairs) in BURST_METRICS.items():
         # A label once per panel. A launch's step breakdown comes after its row and times the runner to
         # its first log line: a later row replaces an earlier one, but never samples with percentiles.
+        # A row that keeps samples but none of this metric has no such figure (a cold launch's
+        # breakdown names its runner's start "secrets held" too): its percentiles are not drawn.
         by_label: dict[str, tuple[list[float] | None, tuple[float, float] | None]] = {}
         for label, row in rows:
-            given = [float(v) for v in (row.get("samples_ms") or {}).get(metric) or []]
+            kept = row.get("samples_ms")
+            given = [float(v) for v in (kept or {}).get(metric) or []]
             pair = next(((row[a], row[b]) for a, b in pairs if row.get(a) and row.get(b)), None)
+            if isinstance(kept, dict) and metric not in kept:
+                pair = None
             if given:
                 by_label[label] = (given, None)
             elif pair is not None and by_label.get(label, (None, None))[0] is None:
@@ -227,8 +234,17 @@ def _burst_latency(doc: Mapping[str, Any]) -> Figure | None:
         drawn = [(label, samples, marks) for label, (samples, marks) in by_label.items()]
         if drawn:
             panels.append((title, drawn))
+    return panels
+
+
+def _burst_latency(doc: Mapping[str, Any]) -> Figure | None:
+    burst = _figure(doc, "burst")
+    if burst is None:
+        return None
+    panels = burst_panels(burst)
     if not panels:
         return None
+    rows = _one_at_a_time(list(burst_rows(burst)))
     order = [label for label, _ in rows]
     labels = sorted({label for _, drawn in panels for label, _, _ in drawn}, key=order.index)
     fig = _new_figure(4.2 * len(panels) + 2.0, 0.45 * len(labels) + 1.6)
@@ -257,7 +273,8 @@ def _burst_latency(doc: Mapping[str, Any]) -> Figure | None:
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(range(len(labels)), list(reversed(labels)))
     axes[0].set_ylim(-0.7, len(labels) - 0.3)
-    _markers_legend(fig, axes[-1])
+    if any(marks is not None for _, drawn in panels for _, _, marks in drawn):
+        _markers_legend(fig, axes[-1])
     fig.suptitle("7. time to sandbox per driver and launch type (box: p25-p75, whiskers p1-p99)")
     _footer(fig, doc, "burst")
     return fig

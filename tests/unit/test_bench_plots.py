@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from sandbox_lanes_bench.plots import CHARTS, burst_rows, merge, render
+from sandbox_lanes_bench.plots import CHARTS, burst_panels, burst_rows, merge, render
 
 ROOT = Path(__file__).resolve().parents[2]
 SVG = "{http://www.w3.org/2000/svg}svg"
@@ -90,7 +90,13 @@ def _burst() -> dict[str, Any]:
             },
             "runner_started_p50_ms": 6100.0,
             "runner_started_p99_ms": 7000.0,
-            "samples_ms": {"runner_ready": [6050.0, 6100.0, 7000.0]},
+            # a cold launch holds its secrets as its runner starts: kept under that name, not drawn twice
+            "secrets_held_p50_ms": 6100.0,
+            "secrets_held_p99_ms": 7000.0,
+            "samples_ms": {
+                "runner_started": [6050.0, 6100.0, 7000.0],
+                "runner_ready": [6050.0, 6100.0, 7000.0],
+            },
         },
         "agent_sandbox_cold": cold,
         "agent_sandbox_warm": warm,
@@ -252,6 +258,32 @@ def test_burst_rows_walk_into_the_kubernetes_row_and_skip_errors() -> None:
         "kubernetes": {"n": 1, "agent_sandbox_cold": {"n": 1, "cold_steps": {"steps_p50_ms": {"a": 1}}}}
     }
     assert [label for label, _ in burst_rows(unknown)][-1] == "agent-sandbox cold, cold steps"
+
+
+def test_burst_panels_draw_samples_before_percentiles_and_nothing_a_row_lacks() -> None:
+    panels = {title: {label: (samples, marks) for label, samples, marks in drawn}
+              for title, drawn in burst_panels(_burst())}  # fmt: skip
+    provisioned = panels["event → SandboxProvisioned"]
+    assert provisioned["memory driver"] == (None, (210.0, 260.0))  # percentiles only
+    assert provisioned["agent-sandbox warm"] == ([60.0, 70.0, 131.0], None)
+    assert provisioned["agent-sandbox warm, one at a time"] == ([60.0, 65.0, 90.0], None)
+    # the runner's first log line (the launch's steps) over its pod Running (the row's own samples)
+    ready = panels["event → runner ready"]
+    assert ready["kubernetes"] == ([6050.0, 6100.0, 7000.0], None)
+    assert ready["agent-sandbox cold"] == ([6500.0, 6700.0, 7100.0], None)
+    assert ready["agent-sandbox warm"] == ([240.0, 280.0, 560.0], None)  # the burst's steps
+    # a cold launch's breakdown keeps no "secrets_held" samples: it is not in that panel
+    assert set(panels["event → runner holds its secrets"]) == {
+        "agent-sandbox warm",
+        "agent-sandbox warm, one at a time",
+    }
+    # a document from before the samples: every row by its percentiles
+    old = {"kubernetes": {"time_to_sandbox_p50_ms": 4.0, "time_to_sandbox_p99_ms": 9.0, "running_p50_ms": 60.0,
+                          "running_p99_ms": 90.0}}  # fmt: skip
+    assert burst_panels(old) == [
+        ("event → SandboxProvisioned", [("kubernetes", None, (4.0, 9.0))]),
+        ("event → runner ready", [("kubernetes", None, (60.0, 90.0))]),
+    ]
 
 
 def test_the_same_document_gives_the_same_bytes(tmp_path: Path) -> None:
