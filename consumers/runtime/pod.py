@@ -822,7 +822,9 @@ class Pod:
             self._standing[tp] = offset
             with contextlib.suppress(Exception):
                 self._consumer.seek(tp, offset)
-        self._store.apply(txn.partition, txn.overlay)
+        self._store.apply(
+            txn.partition, txn.overlay, txn.sink.written(self.config.topics.state, txn.partition)
+        )
         self.metrics.states_removed.inc(sum(state is None for state in txn.overlay.values()))
         for rec in txn.attempted:
             self._doomed.pop(record_ref(rec), None)

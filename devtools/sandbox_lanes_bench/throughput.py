@@ -192,3 +192,104 @@ async def measure_throughput(args: argparse.Namespace, bootstrap: str, show: boo
             "at_least_once_loop_cpu_us_per_event": summary(cpu["at_least_once"]),
         },
     }
+
+
+# --- figure 2 with the state store on disk (issue 38) -------------------------------------------
+
+
+async def measure_store_pairs(
+    bootstrap: str, n: int, partitions: int, pairs: int, max_batch: int, show: bool
+) -> dict[str, Any]:
+    """Figure 2's pod (exactly_once, memory driver) with ``SANDBOX_LANES_STATE_STORE=memory`` and
+    ``rocksdb``, in interleaved pairs on the same input (the order swapped every other pair, so a
+    drift in the machine's load does not favour one store); each pair's ratio rocksdb / memory."""
+    import tempfile
+
+    tag, base, _topics, created = await prepared_inputs(bootstrap, "bench-stores", partitions, n, show)
+    runs: dict[str, list[float]] = {"memory": [], "rocksdb": []}
+    cpu: dict[str, list[float]] = {"memory": [], "rocksdb": []}
+    timeout = max(120.0, n / 200)
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-stores-") as tmp,
+            progress("store pairs", pairs * 2, enabled=show) as bar,
+        ):
+            for r in range(pairs):
+                order = ("memory", "rocksdb") if r % 2 == 0 else ("rocksdb", "memory")
+                for store in order:
+                    env = {
+                        **base,
+                        "SANDBOX_LANES_STATE_STORE": store,
+                        "SANDBOX_LANES_STATE_DIR": f"{tmp}/{store}-{r}",
+                        "SANDBOX_LANES_GROUP_ID": f"{tag}-pod-{store}-{r}",
+                        "SANDBOX_LANES_TOPIC_OUTCOMES": f"{tag}.outcomes-{store}-{r}",
+                        "SANDBOX_LANES_TOPIC_STATE": f"{tag}.state-{store}-{r}",
+                        "SANDBOX_LANES_TOPIC_DLQ": f"{tag}.dlq-{store}-{r}",
+                    }
+                    created.extend(
+                        env[k]
+                        for k in (
+                            "SANDBOX_LANES_TOPIC_OUTCOMES",
+                            "SANDBOX_LANES_TOPIC_STATE",
+                            "SANDBOX_LANES_TOPIC_DLQ",
+                        )
+                    )
+                    rate, cpu_us = await _pod_throughput(env, n, max_batch, timeout)
+                    runs[store].append(rate)
+                    cpu[store].append(cpu_us)
+                    bar.advance()
+    finally:
+        await delete_topics(bootstrap, created)
+    ratios = [d / m for d, m in zip(runs["rocksdb"], runs["memory"], strict=True)]
+    return {
+        "events": n,
+        "partitions": partitions,
+        "pairs": pairs,
+        "memory_events_per_s": runs["memory"],
+        "rocksdb_events_per_s": runs["rocksdb"],
+        "ratio_per_pair": ratios,
+        "ratio": summary(ratios),
+        "memory_loop_cpu_us_per_event": cpu["memory"],
+        "rocksdb_loop_cpu_us_per_event": cpu["rocksdb"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sandbox_lanes_bench.throughput``: the store pairs alone, on a fresh broker (or
+    ``--bootstrap``); prints the JSON."""
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m sandbox_lanes_bench.throughput")
+    parser.add_argument("--bootstrap")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--events", type=int, default=20_000)
+    parser.add_argument("--partitions", type=int, default=3)
+    parser.add_argument("--max-batch", type=int, default=500)
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args(argv)
+    broker = None
+    bootstrap = args.bootstrap
+    if bootstrap is None:
+        from harness.kafka_broker import KafkaBroker
+
+        broker = KafkaBroker()
+        broker.start()
+        bootstrap = broker.bootstrap
+    try:
+        result = asyncio.run(
+            measure_store_pairs(bootstrap, args.events, args.partitions, args.pairs, args.max_batch, True)
+        )
+    finally:
+        if broker is not None:
+            broker.stop()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        from pathlib import Path
+
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

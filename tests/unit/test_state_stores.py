@@ -199,3 +199,52 @@ def test_rocksdb_folds_a_tail_with_a_key_written_again_in_one_batch(tmp_path: Pa
         assert store.due(1_600.0, limit=10) == {0: ["o"]}
     finally:
         store.close()
+
+
+def test_rocksdb_checkpoint_moves_with_commits_whose_offsets_chain(tmp_path: Path) -> None:
+    """A commit's state records at known, contiguous offsets starting at the checkpoint (or one past
+    it: the previous commit's marker) move the checkpoint past them in the same write batch; a gap
+    (another writer, an aborted transaction) or unknown offsets leave it for the proof by reading,
+    after which the commits that chain from there move it again."""
+    store = _rocksdb(tmp_path, 0.0)
+    try:
+        part = store._parts[0]
+        store._record_checkpoint(part, 0, 10)  # as a restore that read to offset 10 leaves it
+
+        def at() -> object:
+            found = store.checkpoint_of(0)
+            return found and found["offset"]
+
+        def state(key: str, n: int) -> state_pb2.ExecutionState:
+            return _state(key, phase=common_pb2.EXECUTION_COMPLETED, at=n)
+
+        store.apply(0, {"a": state("a", 1), "b": state("b", 1)}, (10, 11))
+        assert at() == 12 and not part.pending  # 12: this commit's marker
+        store.apply(0, {"a": state("a", 2)}, (13, 13))
+        assert at() == 14 and not part.pending
+        store.apply(0, {}, None)  # nothing written to the state partition: no marker there either
+        assert at() == 14
+        store.apply(0, {"c": state("c", 1)}, (16, 16))  # offset 15 is not ours
+        assert at() == 14 and part.pending == {"c": [state("c", 1).SerializeToString()]}
+        store.apply(0, {"a": state("a", 3)}, (18, 18))  # chains, but something before it is unproven
+        assert at() == 14 and set(part.pending) == {"a", "c"}
+        # The proof by reading moved it to 18 (the last stable offset while the second one was open),
+        # past the tail's "c": the rest chains from there.
+        del part.pending["c"]
+        part.pending_n -= 1
+        store._record_checkpoint(part, 0, 18)
+        assert store._chain(part, 0) == 19 and at() == 19 and not part.pending
+        store.apply(0, {"b": state("b", 2)}, (20, 21))
+        assert at() == 22
+        store.apply(0, {"b": state("b", 3)}, None)  # offsets not told: only a read may prove it
+        store.apply(0, {"b": state("b", 4)}, (25, 25))
+        assert at() == 22 and part.unknown
+        store._record_checkpoint(part, 0, 24)
+        assert store._chain(part, 0) == 24  # (25, 25) would chain, but what was unknown may be after 24
+        store.close()
+        reopened = _rocksdb(tmp_path, 0.0)
+        assert reopened.checkpoint_of(0) == _checkpoint(offset=24, topicId=None, retentionSeconds=0.0)
+        assert reopened.get(0, "b") == state("b", 4) and len(reopened) == 3
+        reopened.close()
+    finally:
+        store.close()

@@ -56,6 +56,10 @@ class BatchSink(Protocol):
 
     async def abort(self) -> None: ...
 
+    def written(self, topic: str, partition: int) -> tuple[int, int] | None:
+        """After :meth:`commit`: the offsets (first, last) of the committed transaction's records in
+        ``topic`` ``partition``, when known to be all of them and contiguous; else None."""
+
     @property
     def abandoned(self) -> bool:
         """A broker wait outlived its deadline or an abort failed: the writer must be replaced."""
@@ -89,6 +93,9 @@ class TransactionalSink:
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
         await self.producer.commit(offsets)
         self._open = False
+
+    def written(self, topic: str, partition: int) -> tuple[int, int] | None:
+        return self.producer.written(topic, partition)
 
     async def abort(self) -> None:
         if not self._open:
@@ -157,6 +164,9 @@ class AtLeastOnceSink:
                         raise result
             if offsets:
                 await self._consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()})
+
+    def written(self, topic: str, partition: int) -> tuple[int, int] | None:
+        return None  # no transaction: the store's checkpoint proves its way forward by reading
 
     async def abort(self) -> None:
         for future in self._futures:

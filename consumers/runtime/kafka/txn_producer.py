@@ -183,13 +183,18 @@ class TxnProducer:
                 **config,
                 "transactional.id": transactional_id,
                 "logger": logger,
-                # A report for a failed record only: it names the topic the commit's error leaves out.
-                "delivery.report.only.error": True,
+                # Every record's report: a failed one names the topic the commit's error leaves
+                # out; a delivered one gives its offset (the state store's checkpoint, see
+                # :meth:`written`).
                 "on_delivery": self._delivered,
             }
         )
         #: The first record that failed in the open transaction: its error, topic and partition.
         self._failed: tuple[KafkaError, str] | None = None
+        #: The open transaction's records handed over with an explicit partition, per (topic,
+        #: partition), and of those delivered: [first offset, last offset, count].
+        self._sent: dict[tuple[str, int], int] = {}
+        self._delivered_at: dict[tuple[str, int], list[int]] = {}
         self._metadata = metadata
         self._timeout_s = timeout_s
         #: librdkafka is given ``timeout_s``; the pod waits this long at most.
@@ -206,10 +211,35 @@ class TxnProducer:
         return self._producer
 
     def _delivered(self, error: KafkaError | None, message: Any) -> None:
-        if error is not None and self._failed is None:
+        if error is None:
+            place = (message.topic(), message.partition())
+            if place in self._sent:
+                offset = message.offset()
+                seen = self._delivered_at.get(place)
+                if seen is None:
+                    self._delivered_at[place] = [offset, offset, 1]
+                else:
+                    seen[0], seen[1], seen[2] = min(seen[0], offset), max(seen[1], offset), seen[2] + 1
+            return
+        if self._failed is None:
             topic, partition = message.topic(), message.partition()
             known = partition is not None and partition >= 0  # not assigned: the topic was refused
             self._failed = (error, f"{topic} [{partition}]" if known else topic)
+
+    def written(self, topic: str, partition: int) -> tuple[int, int] | None:
+        """The first and last offsets of the committed transaction's records in ``topic``
+        ``partition`` (handed over with that partition), when they are known to be all of them and
+        contiguous (no other writer's record between them); else None. Read after :meth:`commit`
+        (whose flush serves every delivery report) and before the next :meth:`begin`."""
+        place = (topic, partition)
+        sent = self._sent.get(place, 0)
+        seen = self._delivered_at.get(place)
+        if not sent or seen is None:
+            return None
+        first, last, count = seen
+        if count != sent or last - first + 1 != count:
+            return None
+        return first, last
 
     async def _blocking(self, call: Callable[..., _T], *args: Any) -> _T:
         """``call(*args)`` in the producer's thread, awaited up to :attr:`deadline_s`."""
@@ -243,6 +273,8 @@ class TxnProducer:
 
     def begin(self) -> None:
         self._failed = None
+        self._sent = {}
+        self._delivered_at = {}
         try:
             self._handle.begin_transaction()
         except KafkaException as exc:
@@ -266,6 +298,9 @@ class TxnProducer:
         while True:
             try:
                 producer.produce(topic, **kwargs)
+                if partition is not None:
+                    place = (topic, partition)
+                    self._sent[place] = self._sent.get(place, 0) + 1
                 return
             except BufferError:
                 producer.poll(0)  # serves delivery reports without waiting

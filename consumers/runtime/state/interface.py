@@ -60,8 +60,15 @@ class StateStore(HeldStates, Protocol):
 
     def delete(self, partition: int, key: str) -> None: ...
 
-    def apply(self, partition: int, writes: Mapping[str, state_pb2.ExecutionState | None]) -> None:
-        """A committed transaction's writes (None: a tombstone), all at once."""
+    def apply(
+        self,
+        partition: int,
+        writes: Mapping[str, state_pb2.ExecutionState | None],
+        at: tuple[int, int] | None = None,
+    ) -> None:
+        """A committed transaction's writes (None: a tombstone), all at once; ``at``: the offsets
+        (first, last) of its records in the state partition, when the producer told them and they
+        are contiguous (a disk store's checkpoint moves with them)."""
 
     def due(self, now: float, limit: int) -> dict[int, list[str]]:
         """Keys whose state may be removed now, per partition (at most ``limit`` in all)."""

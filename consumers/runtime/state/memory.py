@@ -56,7 +56,12 @@ class MemoryStore:
         self._partitions.get(partition, {}).pop(key, None)
         self._removable.get(partition, {}).pop(key, None)
 
-    def apply(self, partition: int, writes: Mapping[str, state_pb2.ExecutionState | None]) -> None:
+    def apply(
+        self,
+        partition: int,
+        writes: Mapping[str, state_pb2.ExecutionState | None],
+        at: tuple[int, int] | None = None,
+    ) -> None:
         for key, state in writes.items():
             if state is None:
                 self.delete(partition, key)

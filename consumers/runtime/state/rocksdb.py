@@ -14,14 +14,24 @@ A store's databases share one write buffer manager and one block cache (:data:`M
 :data:`BLOCK_CACHE_BYTES`), so RocksDB's memory is bounded per pod, not per partition owned.
 
 The topic stays the truth. A committed transaction's writes reach the database in one write
-batch after its commit (:meth:`RocksDBStore.apply`). The producer does not tell the offsets of
-its transactional writes, so the checkpoint is a position the store has *read* the topic up to:
-set by :meth:`restore` (the last stable offset it read to), and moved forward by
-:meth:`checkpoint`, which reads the topic's tail from the checkpoint and moves only when the last
-record of every key in it is a write this store applied (so no other writer's record, nor a
-commit of ours not yet applied, is skipped). A take-over reads from the checkpoint to the end; the
-records of the pod's own committed writes read again there are applied again, which is
-idempotent. A crash between a commit and a checkpoint therefore reads a longer tail, never less.
+batch after its commit (:meth:`RocksDBStore.apply`). The checkpoint is set by :meth:`restore` (the
+last stable offset it read to) and moves forward two ways, each only past records proven to be
+ones this store applied:
+
+* **with the commit** (the usual way): librdkafka's delivery reports give the offsets of the
+  transaction's state records; when they are contiguous and start right at the checkpoint (or
+  one past it: the commit marker of this store's previous transaction), the checkpoint moves to
+  the last one + 1 (the new commit marker) in the same write batch as the states. Nothing is
+  read again; a take-over reads at most that marker.
+* **by reading** (:meth:`checkpoint`, when the offsets did not chain: an aborted transaction of
+  ours, another writer's record, a producer that does not tell offsets): the topic's tail from the
+  checkpoint is read, and the checkpoint moves only when the last record of every key in it is a
+  write this store applied (so no other writer's record, nor a commit of ours not yet applied, is
+  skipped).
+
+A take-over reads from the checkpoint to the end; the records of the pod's own committed writes
+read again there are applied again, which is idempotent. A crash between a commit and its apply
+leaves the states and the checkpoint both as they were (one write batch): the tail is read again.
 """
 
 from __future__ import annotations
@@ -93,6 +103,15 @@ class _Partition:
         self.pending: dict[str, list[bytes | None]] = {}
         self.pending_n = 0
         self.provable = True
+        #: The checkpoint's offset as recorded (None: none yet), and whether the record at it is the
+        #: commit marker of this store's last transaction (its next records then start one past it).
+        self.offset: int | None = None
+        self.marker = False
+        #: The offsets (first, last) of the transactions applied since the checkpoint that did not
+        #: chain, and whether one of them had no known offsets: after a move by reading, the rest
+        #: may chain from there.
+        self.unproven: list[tuple[int, int]] = []
+        self.unknown = False
 
     def checkpoint(self) -> dict[str, Any] | None:
         raw = self.db.get(_CHECKPOINT)
@@ -169,24 +188,47 @@ class RocksDBStore:
     def delete(self, partition: int, key: str) -> None:
         self.apply(partition, {key: None})
 
-    def apply(self, partition: int, writes: Mapping[str, state_pb2.ExecutionState | None]) -> None:
-        """A committed transaction's writes, in one write batch (the checkpoint stays: see
-        :meth:`checkpoint`)."""
+    def apply(
+        self,
+        partition: int,
+        writes: Mapping[str, state_pb2.ExecutionState | None],
+        at: tuple[int, int] | None = None,
+    ) -> None:
+        """A committed transaction's writes, in one write batch. ``at``: the offsets (first, last)
+        of its state records in the topic, contiguous, when the producer told them; when they
+        start where the checkpoint is (or one past: our previous commit's marker), the checkpoint
+        moves past them in the same batch. Otherwise they wait for :meth:`checkpoint`'s proof."""
         part = self._parts.get(partition)
         if part is None:
             return
         batch = WriteBatch(raw_mode=True)
         now = time.time()
+        chained = (
+            at is not None
+            and part.provable
+            and not part.pending
+            and part.offset is not None
+            and at[0] == part.offset + part.marker
+        )
         for key, state in writes.items():
             raw = None if state is None else state.SerializeToString()
             self._write(part, batch, key.encode(), raw, state, now)
-            if part.provable:
+            if part.provable and not chained:
                 part.pending.setdefault(key, []).append(raw)
                 part.pending_n += 1
+        if writes and not chained and part.provable:
+            if at is None:
+                part.unknown = True
+            else:
+                part.unproven.append(at)
         if part.pending_n > _PENDING_LIMIT:
             part.provable = False
             part.pending.clear()
+            part.unproven.clear()
         batch.put(_COUNT, str(part.count).encode())
+        if chained and at is not None:
+            batch.put(_CHECKPOINT, self._checkpoint_body(partition, at[1] + 1))
+            part.offset, part.marker = at[1] + 1, True
         part.db.write(batch)
 
     def _write(
@@ -274,7 +316,7 @@ class RocksDBStore:
             return f"offset {offset} is before the topic's first offset {bounds.beginning}"
         return None
 
-    def _record_checkpoint(self, part: _Partition, partition: int, offset: int) -> None:
+    def _checkpoint_body(self, partition: int, offset: int) -> bytes:
         body = {
             "format": STATE_FORMAT_VERSION,
             "topic": self.topic,
@@ -284,7 +326,13 @@ class RocksDBStore:
             "retentionSeconds": self.retention_s,
             "offset": offset,
         }
-        part.db.put(_CHECKPOINT, json.dumps(body).encode())
+        return json.dumps(body).encode()
+
+    def _record_checkpoint(
+        self, part: _Partition, partition: int, offset: int, *, marker: bool = False
+    ) -> None:
+        part.db.put(_CHECKPOINT, self._checkpoint_body(partition, offset))
+        part.offset, part.marker = offset, marker
 
     async def restore(
         self,
@@ -410,7 +458,13 @@ class RocksDBStore:
         tail's last record is a write :meth:`apply` applied since the checkpoint. Otherwise (a
         commit of ours not applied yet, another writer's record) it stays, which is always safe.
         """
-        wanted = sorted(p for p in set(partitions) if p in self._parts and self._parts[p].provable)
+        # A partition with nothing applied past its checkpoint has nothing to prove (its checkpoint
+        # moved with its commits): a tail there holds only records it did not write.
+        wanted = sorted(
+            p
+            for p in set(partitions)
+            if p in self._parts and self._parts[p].provable and self._parts[p].pending
+        )
         if not wanted or self._bootstrap is None:
             return {}
         parts = {p: self._parts[p] for p in wanted}
@@ -444,7 +498,33 @@ class RocksDBStore:
                 if not applied:
                     del part.pending[key]
             self._record_checkpoint(part, p, ends[p])
-            moved[p] = ends[p]
+            moved[p] = self._chain(part, p)
+        return moved
+
+    def _chain(self, part: _Partition, partition: int) -> int:
+        """After a move by reading to ``part.offset``: if the transactions applied past it are all
+        of known offsets chaining from there (each next one past the previous one's commit marker),
+        the checkpoint moves past them too and the commits move it again. Its offset."""
+        start = part.offset
+        assert start is not None
+        if not part.pending:
+            part.unproven.clear()
+            part.unknown = False
+            return start
+        later = sorted(r for r in part.unproven if r[0] >= start)  # the rest were in the tail read
+        part.unproven = later
+        if part.unknown or not later:
+            return start
+        expected = start
+        for first, last in later:
+            if first != expected:
+                return start
+            expected = last + 2
+        moved = later[-1][1] + 1
+        self._record_checkpoint(part, partition, moved, marker=True)
+        part.pending.clear()
+        part.pending_n = 0
+        part.unproven = []
         return moved
 
 
