@@ -23,6 +23,18 @@ from typing import Any
 
 from consumers.ops.progress import progress
 from sandbox_lanes_bench.common import pct
+from sandbox_lanes_bench.containerd_events import ContainerdEvents
+from sandbox_lanes_bench.launch_steps import (
+    COLD_STEPS,
+    COLD_STEPS_API,
+    WARM_STEPS,
+    SpanRecorder,
+    breakdown,
+    merge_marks,
+    pod_marks,
+    runner_started,
+    wall_offset,
+)
 
 logger = logging.getLogger("sandbox_lanes.bench")
 
@@ -76,7 +88,7 @@ async def agent_sandbox_controller(node: Any) -> AsyncIterator[None]:
 
 
 class FirstSeen:
-    """A watch on one kind of object in one namespace: when (``time.perf_counter``) each sandbox id's
+    """A watch on one kind of object in one namespace: when (``time.monotonic``) each sandbox id's
     object was first seen meeting each named condition. ``list_objects(*args)`` is the API's list call
     (the watch needs the call itself, not a partial: it reads the call's docstring for the type)."""
 
@@ -120,7 +132,7 @@ class FirstSeen:
             try:
                 for event in stream.stream(self._list, *self._args, timeout_seconds=2):
                     obj = event["object"]
-                    now = time.perf_counter()
+                    now = time.monotonic()
                     sandbox_id = self._sandbox_id(obj)
                     for name, met in self._conditions.items():
                         if sandbox_id and met(obj):
@@ -133,8 +145,14 @@ class FirstSeen:
                 stream.stop()
 
 
+def _condition(pod: Any, kind: str) -> bool:
+    return any(c.type == kind and c.status == "True" for c in (pod.status.conditions or []))
+
+
 def running_pods(api: Any, namespace: str) -> FirstSeen:
-    """When each sandbox id's pod first reported phase Running (``seen["running"]``)."""
+    """When each sandbox id's pod was first seen: at all (``pod_created``), bound to a node
+    (``scheduled``), with its pod sandbox made (``sandbox_ready``: PodReadyToStartContainers), its
+    runner container started (``container_running``) and in phase Running (``running``)."""
     from kubernetes import client
 
     from drivers.naming import LABEL_SANDBOX_ID
@@ -144,8 +162,51 @@ def running_pods(api: Any, namespace: str) -> FirstSeen:
         core.list_namespaced_pod,
         (namespace,),
         lambda pod: (pod.metadata.labels or {}).get(LABEL_SANDBOX_ID),
-        {"running": lambda pod: pod.status.phase == "Running"},
+        {
+            "pod_created": lambda pod: True,
+            "scheduled": lambda pod: bool(pod.spec.node_name),
+            "sandbox_ready": lambda pod: _condition(pod, "PodReadyToStartContainers"),
+            "container_running": lambda pod: any(
+                s.state is not None and s.state.running is not None
+                for s in (pod.status.container_statuses or [])
+            ),
+            "running": lambda pod: pod.status.phase == "Running",
+        },
     )
+
+
+def _runners_by_label(
+    api: Any, namespace: str, ids: list[str], offset: float, pods: dict[str, str]
+) -> dict[str, float]:
+    """When each sandbox id's runner printed its first line (monotonic), from its pod's log; and
+    each of those pods' sandbox id by pod name, into ``pods``."""
+    from kubernetes import client
+
+    from drivers.kubernetes.manifests import CONTAINER_NAME
+    from drivers.naming import LABEL_SANDBOX_ID
+
+    core: Any = client.CoreV1Api(api)
+    wanted = set(ids)
+    found: dict[str, float] = {}
+    deadline = time.monotonic() + 30
+    while wanted - set(found) and time.monotonic() < deadline:
+        for pod in core.list_namespaced_pod(namespace).items:
+            sandbox_id = (pod.metadata.labels or {}).get(LABEL_SANDBOX_ID)
+            if sandbox_id not in wanted or sandbox_id in found or pod.metadata.deletion_timestamp:
+                continue
+            try:
+                text = core.read_namespaced_pod_log(
+                    pod.metadata.name, namespace, container=CONTAINER_NAME, timestamps=True
+                )
+            except Exception:  # not started yet: read again
+                continue
+            started = runner_started(text, offset)
+            if started is not None:
+                found[sandbox_id] = started
+                pods[pod.metadata.name] = sandbox_id
+        if wanted - set(found):
+            time.sleep(0.2)
+    return found
 
 
 def claims_assigned(api: Any, namespace: str) -> FirstSeen:
@@ -193,6 +254,8 @@ def warm_counts(metrics: Any) -> tuple[dict[str, int], int]:
 
 
 PodBurst = Callable[..., Awaitable[dict[str, Any]]]
+#: The cluster bursts ``--burst-kube`` chooses from (all by default).
+KUBE_PARTS = "kubernetes,agent-sandbox-cold,agent-sandbox-warm"
 MakeEnv = Callable[[str], dict[str, str]]
 
 
@@ -203,29 +266,45 @@ async def kubernetes_burst(
     from drivers.agent_sandbox.driver import new_agent_sandbox_provisioner
     from drivers.kubernetes.driver import new_kubernetes_provisioner
 
+    parts = {part.strip() for part in str(getattr(args, "burst_kube", KUBE_PARTS)).split(",") if part.strip()}
+    if parts - set(KUBE_PARTS.split(",")):
+        raise ValueError(f"--burst-kube: unknown {sorted(parts - set(KUBE_PARTS.split(',')))}")
+    if not args.burst_agent_sandbox:
+        parts -= {"agent-sandbox-cold", "agent-sandbox-warm"}
+    out: dict[str, Any] = {"n": n, "cluster": ""}
     async with kube_cluster(args) as (kubeconfig, image, cluster, node):
-        out = await _running_burst(
-            kubeconfig,
-            image,
-            make_env("k8s"),
-            show,
-            n,
-            pod_burst,
-            new_kubernetes_provisioner,
-            "kubernetes",
-            {},
-        )
+        if "kubernetes" in parts:
+            out = await _running_burst(
+                kubeconfig,
+                image,
+                make_env("k8s"),
+                show,
+                n,
+                pod_burst,
+                new_kubernetes_provisioner,
+                "kubernetes",
+                {},
+                node,
+            )
         out["cluster"] = cluster
-        if args.burst_agent_sandbox:
+        if parts & {"agent-sandbox-cold", "agent-sandbox-warm"}:
             try:
                 async with agent_sandbox_controller(node):
-                    out["agent_sandbox_cold"] = await _running_burst(
-                        kubeconfig, image, make_env("as-cold"), show, n, pod_burst,
-                        new_agent_sandbox_provisioner, "agent-sandbox cold", {},
-                    )  # fmt: skip
-                    out["agent_sandbox_warm"] = await _warm_burst(
-                        kubeconfig, image, make_env("as-warm"), make_env("as-warm-seq"), show, n, pod_burst
-                    )
+                    if "agent-sandbox-cold" in parts:
+                        out["agent_sandbox_cold"] = await _running_burst(
+                            kubeconfig, image, make_env("as-cold"), show, n, pod_burst,
+                            new_agent_sandbox_provisioner, "agent-sandbox cold", {}, node,
+                        )  # fmt: skip
+                    if "agent-sandbox-warm" in parts:
+                        out["agent_sandbox_warm"] = await _warm_burst(
+                            kubeconfig,
+                            image,
+                            make_env("as-warm"),
+                            make_env("as-warm-seq"),
+                            show,
+                            n,
+                            pod_burst,
+                        )
             except Exception as exc:
                 logger.error("agent-sandbox burst failed", extra={"error": str(exc)})
                 out["agent_sandbox_error"] = f"{type(exc).__name__}: {exc}"
@@ -273,14 +352,26 @@ async def _running_burst(
     factory: Callable[..., Any],
     label: str,
     options: dict[str, str],
+    node: Any = None,
 ) -> dict[str, Any]:
-    """N creates through the pod; each runner's time to its pod's first Running (a namespace watch)."""
+    """N creates through the pod; each runner's time to its pod's first Running (a namespace watch),
+    and step by step (``launch_steps``; containerd's steps on the private ``node``)."""
     async with _namespace(kubeconfig) as (api, namespace):
         provisioner = factory(_driver_config(kubeconfig, image, namespace, **options), logger)
         running_ms: list[float] = []
         all_running_s = 0.0
+        offset = wall_offset()
+        recorder = SpanRecorder()
+        runners: dict[str, float] = {}
+        pod_names: dict[str, str] = {}
+        sent_at: dict[str, float] = {}
+        events = ContainerdEvents(node.containerd_socket) if node is not None else None
         try:
-            with running_pods(api, namespace) as watch:
+            with (
+                running_pods(api, namespace) as watch,
+                recorder.recording(),
+                events if events is not None else contextlib.nullcontext(),
+            ):
                 running = watch.seen["running"]
 
                 async def until_running(ids: list[str], sent: dict[str, float]) -> None:
@@ -299,12 +390,28 @@ async def _running_burst(
                         bar.advance(n - shown)
                     running_ms.extend((running[i] - sent[i]) * 1000 for i in ids)
                     all_running_s = max(running[i] for i in ids) - min(sent.values())
+                    sent_at.update(sent)
+                    runners.update(
+                        await asyncio.to_thread(_runners_by_label, api, namespace, ids, offset, pod_names)
+                    )
 
                 result = await pod_burst(
                     env, provisioner, n, show, f"{label} burst of {n}", 900, after_provision=until_running
                 )
         finally:
             await provisioner.close()
+    result["samples_ms"]["runner_ready"] = running_ms
+    pod, _names = pod_marks(recorder.spans, offset)
+    seen = {step: watch.seen[step] for step in ("pod_created", "scheduled")}
+    api_marks = {i: {step: at[i] for step, at in seen.items() if i in at} for i in sent_at}
+    node_marks = await asyncio.to_thread(events.marks, pod_names, offset) if events is not None else {}
+    # event sent -> each step: the pod's spans, the namespace's pods, containerd's events, the logs
+    result["steps"] = breakdown(
+        COLD_STEPS if events is not None else COLD_STEPS_API,
+        sent_at,
+        merge_marks(pod, api_marks, node_marks, {i: {"runner_started": at} for i, at in runners.items()}),
+        held="runner_started",
+    )
     result.update(
         running_p50_ms=pct(running_ms, 50),
         running_p99_ms=pct(running_ms, 99),
@@ -315,6 +422,8 @@ async def _running_burst(
 
 #: Creates sent one at a time on a full pool after the burst: the uncontended warm latency.
 SEQUENTIAL_WARM = 10
+#: The longest the bench waits for a settled pool's assignment sessions before it sends anyway.
+SESSIONS_TIMEOUT_S = 15.0
 
 
 async def _warm_burst(
@@ -346,13 +455,20 @@ async def _warm_burst(
         launches: dict[str, int] = {}
         misses = 0
 
+        handovers: dict[str, int] = {}
+
         def count_pod_metrics() -> None:
-            """Add the launches and misses of the pod that just ran (its registry, its counts)."""
+            """Add the launches, misses and handovers of the pod that just ran (its registry, its counts)."""
             nonlocal misses
             pod_launches, pod_misses = warm_counts(warm.metrics)
             for launch, count in pod_launches.items():
                 launches[launch] = launches.get(launch, 0) + count
             misses += pod_misses
+            for family in warm.metrics.handovers.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        via = sample.labels["via"]
+                        handovers[via] = handovers.get(via, 0) + int(sample.value)
 
         async def until_full(timeout_s: float = RUNNING_TIMEOUT_S) -> float:
             started = time.monotonic()
@@ -362,20 +478,45 @@ async def _warm_burst(
                 await asyncio.sleep(0.1)
             return time.monotonic() - started
 
+        async def until_sessions(timeout_s: float = SESSIONS_TIMEOUT_S) -> None:
+            """A settled pool has its assignment sessions open (each idle pod's, opened ahead); a
+            pod without one is handed its secrets by a fresh exec, which the handovers count."""
+            deadline = time.monotonic() + timeout_s
+            while warm.sessions_open < n and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+
         refilling: asyncio.Task[float] | None = None
-        with claims_assigned(api, namespace) as claims:
+        # each create's way, step by step: the pod's spans, the pool's timelines, the runners' logs
+        offset = wall_offset()
+        recorder = SpanRecorder()
+        timelines: dict[str, dict[str, float]] = {}
+        runners: dict[str, float] = {}
+        burst_sent: dict[str, float] = {}
+        sequential_sent: dict[str, float] = {}
+        warm.on_timeline = timelines.__setitem__
+
+        async def read_runners() -> None:
+            for name in [name for name in timelines if name not in runners]:
+                started = await asyncio.to_thread(_runner_started, api, namespace, name, offset)
+                if started is not None:
+                    runners[name] = started
+
+        with claims_assigned(api, namespace) as claims, recorder.recording():
             try:
                 await warm.prepare()
                 fill_s = await until_full()
+                await until_sessions()
 
-                async def start_refill_clock(ids: list[str], _sent: dict[str, float]) -> None:
+                async def start_refill_clock(ids: list[str], sent: dict[str, float]) -> None:
                     nonlocal refilling
                     burst_ids.extend(ids)
+                    burst_sent.update(sent)
                     # warm_assignment=async: every runner gets its secrets before the burst is torn down
                     # (a deprovision cancels a delivery still running); the pool refills from there.
                     await warm.settled()
                     refill["from"] = time.monotonic()
                     refilling = asyncio.create_task(until_full())
+                    await read_runners()
 
                 result = await pod_burst(
                     env,
@@ -396,15 +537,18 @@ async def _warm_burst(
                     pods = core.list_namespaced_pod(namespace).items
                     return not any(pod.metadata.deletion_timestamp for pod in pods)
 
-                async def sequential(ids: list[str]) -> None:
+                async def sequential(ids: list[str], sent: dict[str, float]) -> None:
                     sequential_ids.extend(ids)
+                    sequential_sent.update(sent)
                     await warm.settled()  # the last one's delivery too
+                    await read_runners()
 
                 async def quiet_and_full() -> None:
                     await warm.settled()
                     await until_full()
                     while not await asyncio.to_thread(settled):
                         await asyncio.sleep(0.2)
+                    await until_sessions()
 
                 one_by_one = await pod_burst(
                     sequential_env,
@@ -415,7 +559,7 @@ async def _warm_burst(
                     600,
                     one_at_a_time=True,
                     before_each=quiet_and_full,
-                    after_provision=lambda ids, _sent: sequential(ids),
+                    after_provision=sequential,
                 )
                 count_pod_metrics()
                 # Every delivery has ended; a missed claim (gone cold) is never annotated: no long wait.
@@ -424,6 +568,7 @@ async def _warm_burst(
                 if refilling is not None and not refilling.done():
                     refilling.cancel()
                 await provisioner.close()
+    marks = _warm_marks(recorder.spans, timelines, runners, offset)
     created, assigned = claims.seen["created"], claims.seen["assigned"]
     burst_assigned = [assigned[i] - created[i] for i in burst_ids if i in assigned and i in created]
     sequential_assigned = [assigned[i] - created[i] for i in sequential_ids if i in assigned and i in created]
@@ -434,14 +579,59 @@ async def _warm_burst(
         sequential_n=one_by_one["n"],
         sequential_p50_ms=one_by_one["time_to_sandbox_p50_ms"],
         sequential_p99_ms=one_by_one["time_to_sandbox_p99_ms"],
+        sequential_samples_ms=one_by_one["samples_ms"],
         launches=launches,
         adoption_misses=misses,
+        # how each runner got its secrets: the session opened ahead in its pod, or a fresh exec
+        handovers=handovers,
         assignment=warm.assignment,
-        # claim created -> the runner holds its secrets (the delivery behind the outcome, async): both
-        # as the bench's watch first saw them (the claim, then its stigmer.ai/assigned annotation)
+        # claim created -> the claim annotated stigmer.ai/assigned (after the secrets are held), as the
+        # bench's watch first saw them
         assigned_p50_ms=pct(burst_assigned, 50) * 1000,
         assigned_p99_ms=pct(burst_assigned, 99) * 1000,
         sequential_assigned_p50_ms=pct(sequential_assigned, 50) * 1000,
         sequential_assigned_p99_ms=pct(sequential_assigned, 99) * 1000,
+        # event sent -> each step (launch_steps.WARM_STEPS), one at a time and in the burst
+        sequential_steps=breakdown(WARM_STEPS, sequential_sent, marks),
+        burst_steps=breakdown(WARM_STEPS, burst_sent, marks),
     )
     return result
+
+
+def _warm_marks(
+    spans: list[Any], timelines: dict[str, dict[str, float]], runners: dict[str, float], offset: float
+) -> dict[str, dict[str, float]]:
+    """Every warm step's mark by execution id: the pod's spans, the pool's timelines and the
+    runners' first lines (both by claim name, which the driver span names)."""
+    pod, names = pod_marks(spans, offset)
+    return merge_marks(
+        pod,
+        {names[name]: timeline for name, timeline in timelines.items() if name in names},
+        {names[name]: {"runner_started": at} for name, at in runners.items() if name in names},
+    )
+
+
+def _runner_started(api: Any, namespace: str, claim: str, offset: float) -> float | None:
+    """When the runner of the claim ``claim``'s pod printed its first line (monotonic), or None."""
+    from kubernetes import client
+
+    from drivers.agent_sandbox.warm import CLAIMS, EXT_GROUP, EXT_VERSION
+    from drivers.kubernetes.manifests import CONTAINER_NAME
+
+    custom: Any = client.CustomObjectsApi(api)
+    core: Any = client.CoreV1Api(api)
+    try:
+        found = custom.get_namespaced_custom_object(EXT_GROUP, EXT_VERSION, namespace, CLAIMS, claim)
+        pod = ((found.get("status") or {}).get("sandbox") or {}).get("name")
+        if not pod:
+            return None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the runner starts just after the secrets land
+            text = core.read_namespaced_pod_log(pod, namespace, container=CONTAINER_NAME, timestamps=True)
+            started = runner_started(text, offset)
+            if started is not None:
+                return started
+            time.sleep(0.1)
+    except Exception as exc:
+        logger.warning("runner log not read", extra={"claim": claim, "error": str(exc)})
+    return None

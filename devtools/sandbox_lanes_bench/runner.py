@@ -116,8 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--driver-samples", type=int, default=20, help="sandboxes per local-process run")
     parser.add_argument("--docker-samples", type=int, default=5, help="containers per docker run")
-    parser.add_argument("--burst-n", type=int, default=2000, help="creates per memory-driver burst")
-    parser.add_argument("--burst-docker-n", type=int, default=200, help="creates per docker burst")
+    parser.add_argument("--burst-n", type=int, default=2000, help="creates per memory-driver burst (0: skip)")
+    parser.add_argument("--burst-docker-n", type=int, default=200, help="creates per docker burst (0: skip)")
     parser.add_argument("--burst-latency-ms", type=float, default=200.0, help="memory driver ms per call")
     parser.add_argument("--burst-concurrency", type=int, default=32, help="driver concurrency in a burst")
     parser.add_argument(
@@ -134,6 +134,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--runner-image", default="", help="runner image for --kubeconfig (must run the runner contract)"
+    )
+    parser.add_argument(
+        "--burst-kube",
+        default="kubernetes,agent-sandbox-cold,agent-sandbox-warm",
+        help="which cluster bursts to run (comma-separated subset of the default)",
     )
     parser.add_argument(
         "--retention-waves", type=int, default=3, help="waves of executions per retention run"

@@ -60,17 +60,27 @@ ASSIGNMENT_FILE: Final = f"{ASSIGNMENT_DIR}/assignment.env"
 #: Plain values that are the same for every sandbox: baked into the warm template's env.
 _PER_SANDBOX_PLAIN: Final = frozenset({"STIGMER_TASK_QUEUE"})
 
-#: Waits with shell builtins only until the secrets arrive, so an idle pool costs little; exits on TERM;
-#: then reads the queue annotation (the downward-API file lags the claim by up to about a second).
+#: On every pod of a warm pool (idle or claimed): what the assignment sessions' pod list selects.
+WARM_POD_LABEL: Final = "stigmer.ai/warm"
+#: Sent to a waiting warm runner (PID 1 of its container) once its assignment file is in place.
+WAKE_SIGNAL: Final = "WINCH"
+#: Waits with shell builtins only until the assignment arrives, so an idle pool costs little; exits on
+#: TERM; exports the file (the task queue and the secrets). A file without the queue (written by an
+#: older driver) falls back to the queue annotation, whose downward-API file lags the claim by up to
+#: about a second: the queue in the file is what lets the runner start as soon as its secrets land.
 WARM_RUNNER_SCRIPT: Final = (
     # PID 1 ignores a signal it does not trap: without this a pool pod waits out its whole grace.
     "trap 'exit 0' TERM INT; "
+    # WAKE_SIGNAL ends a wait at once (the writer sends it after the file is in place); its default
+    # action is to ignore it, so one that lands after the exec below leaves the runner alone.
+    f"trap : {WAKE_SIGNAL}; "
     f"a={ASSIGNMENT_FILE}; p={PODINFO_DIR}/annotations; "
-    'until [ -s "$a" ]; do sleep 0.05; done; '
-    "q=; while :; do "
+    'until [ -s "$a" ]; do sleep 0.05 & s=$!; wait $s; kill $s 2>/dev/null; wait $s 2>/dev/null; done; '
+    'set -a; . "$a"; set +a; '
+    'if [ -z "${STIGMER_TASK_QUEUE:-}" ]; then q=; while :; do '
     f'q=$(sed -n \'s/^stigmer\\.ai\\/task-queue="\\(.*\\)"$/\\1/p\' "$p" 2>/dev/null); '
     '[ -n "$q" ] && break; sleep 0.05; done; '
-    'export STIGMER_TASK_QUEUE="$q"; set -a; . "$a"; set +a; '
+    'export STIGMER_TASK_QUEUE="$q"; fi; '
     f"exec {' '.join(runner_command())}"
 )
 
@@ -91,7 +101,7 @@ def warm_pod_template(config: DriverConfig) -> dict[str, Any]:
         ],
     )
     return {
-        "metadata": {"labels": installation_labels(config.installation)},
+        "metadata": {"labels": {**installation_labels(config.installation), WARM_POD_LABEL: "true"}},
         "spec": {
             "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
             "automountServiceAccountToken": False,
@@ -176,9 +186,11 @@ def claim_manifest(
 
 
 def assignment_file(config: DriverConfig, env: SandboxEnvironment) -> bytes:
-    """The secrets a warm runner exports, one shell-quoted ``NAME=value`` per line."""
+    """What a warm runner exports, one shell-quoted ``NAME=value`` per line: its task queue (not a
+    secret; also the claim's annotation, but the pod's downward-API copy of that lags) and the secrets."""
     secret = runner_env(config, env).secret
     lines = ["# stigmer sandbox assignment\n"]  # never empty: the runner waits for a non-empty file
+    lines.append(f"STIGMER_TASK_QUEUE={shlex.quote(env.task_queue)}\n")
     lines += [f"{k}={shlex.quote(v)}\n" for k, v in secret.items()]
     return "".join(lines).encode("utf-8")
 
@@ -209,12 +221,35 @@ def assigned_patch() -> dict[str, Any]:
     return {"metadata": {"annotations": {ANNOTATION_ASSIGNED: "true"}}}
 
 
+#: After the file is in place: wake the waiting runner (a runner already started ignores it).
+_WAKE: Final = f"{{ kill -{WAKE_SIGNAL} 1 2>/dev/null || :; }}"
+
+
+def assignment_session_command() -> list[str]:
+    """An exec opened ahead in an idle pool pod (``drivers.agent_sandbox.exec_sessions``): read a
+    length line, then exactly that many bytes of stdin, into the assignment file (0600), atomically.
+    ``read`` takes stdin a byte at a time, so the bytes after the line are left for ``head``."""
+    return [
+        "/bin/sh",
+        "-c",
+        f'umask 077; IFS= read -r n || exit 3; head -c "$n" > {ASSIGNMENT_FILE}.tmp '
+        f"&& mv {ASSIGNMENT_FILE}.tmp {ASSIGNMENT_FILE} && {_WAKE}",
+        "assign-session",
+    ]
+
+
+def assignment_session_payload(data: bytes) -> bytes:
+    """What a session's stdin is given: the length line, then the assignment file's bytes."""
+    return f"{len(data)}\n".encode() + data
+
+
 def assignment_command(size: int) -> list[str]:
     """Read exactly ``size`` bytes of stdin into the assignment file (0600), atomically."""
     return [
         "/bin/sh",
         "-c",
-        f'umask 077; head -c "$1" > {ASSIGNMENT_FILE}.tmp && mv {ASSIGNMENT_FILE}.tmp {ASSIGNMENT_FILE}',
+        f'umask 077; head -c "$1" > {ASSIGNMENT_FILE}.tmp && mv {ASSIGNMENT_FILE}.tmp {ASSIGNMENT_FILE} '
+        f"&& {_WAKE}",
         "assign",
         str(size),
     ]

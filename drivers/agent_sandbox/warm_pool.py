@@ -37,9 +37,12 @@ from kubernetes import client as k8s
 from kubernetes.stream import stream
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from drivers.agent_sandbox.claim_watch import ClaimWatch
+from drivers.agent_sandbox.exec_sessions import ExecSessions, Session, write_and_wait
 from drivers.agent_sandbox.manifests import GROUP, PLURAL, VERSION
 from drivers.agent_sandbox.warm import (
     ANNOTATION_ASSIGNED,
+    ANNOTATION_SANDBOX_ID,
     ASSIGNMENT_SECRET_KEY,
     CLAIMS,
     EXT_GROUP,
@@ -48,11 +51,14 @@ from drivers.agent_sandbox.warm import (
     POOL_NAME_PREFIX,
     POOLS,
     TEMPLATES,
+    WARM_POD_LABEL,
     WARM_SCOPES,
     assigned_patch,
     assignment_command,
     assignment_file,
     assignment_secret_manifest,
+    assignment_session_command,
+    assignment_session_payload,
     claim_manifest,
     pool_manifest,
     pool_name,
@@ -100,6 +106,16 @@ ASSIGN_ATTEMPTS: Final = 3
 #: How long a missed claim may take to go (a foreground delete: its cold-made Sandbox and pod first).
 GONE_TIMEOUT_S: Final = 60.0
 POLL_S: Final = 0.02
+#: With the claim watch up: the longest a delivery waits for a change before it reads its claim anew.
+WATCH_FALLBACK_S: Final = 0.5
+#: A warm claim's steps, in order (``warm_assignment=async``): its timeline records when each was
+#: reached (``time.monotonic``), and the step histogram observes each one's seconds since the step
+#: before it. ``ensure``: the driver's ensure began; ``claim_created``: the API answered the claim's
+#: create; ``secret_kept``: its assignment Secret written (the ensure returns here); ``named``: the
+#: claim names its Sandbox (the controller adopted a pool pod); ``ready``: that Sandbox seen Ready;
+#: ``secrets_held``: the exec that writes the assignment file into the pod returned 0 (the runner
+#: holds its secrets); ``marked``: the claim annotated ``stigmer.ai/assigned``.
+WARM_STEPS: Final = ("ensure", "claim_created", "secret_kept", "named", "ready", "secrets_held", "marked")
 
 
 def _ready(obj: dict[str, Any]) -> bool:
@@ -136,6 +152,19 @@ class WarmPoolMetrics:
             ["reason"],
             registry=r,
         )
+        self.handovers = Counter(
+            "sandbox_lanes_agent_sandbox_assignment_handovers",
+            "Warm assignments handed over, by way: an exec session opened ahead, or a fresh exec",
+            ["via"],
+            registry=r,
+        )
+        self.warm_step = Histogram(
+            "sandbox_lanes_agent_sandbox_warm_step_seconds",
+            "A warm claim's delivery, step by step: seconds from the step before (WARM_STEPS)",
+            ["step"],
+            buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.15, 0.25, 0.5, 1, 2, 5),
+            registry=r,
+        )
 
 
 class WarmPool:
@@ -152,6 +181,15 @@ class WarmPool:
         self._applied = False
         self._apply_lock = asyncio.Lock()
         self.metrics = WarmPoolMetrics()
+        #: This installation's claims as a watch sees them, and the assignment sessions opened ahead in
+        #: the pool's idle pods (both started with the pool's first use).
+        self._watch: ClaimWatch | None = None
+        self._sessions: ExecSessions | None = None
+        #: Each warm claim's timeline by claim name, from its ensure until its delivery ends.
+        self._timelines: dict[str, dict[str, float]] = {}
+        #: Called with (claim name, timeline) when a claim made by an ensure holds its secrets
+        #: (the bench's hook; the histogram and the delivery's log line carry the same steps).
+        self.on_timeline: Callable[[str, dict[str, float]], None] | None = None
 
     def bind_metrics(self, registry: CollectorRegistry) -> None:
         self.metrics = WarmPoolMetrics(registry)
@@ -169,6 +207,81 @@ class WarmPool:
                 await self._write_pool_object(plural, manifest)
             await self._delete_stale_pairs()
             self._applied = True
+            self._start_watch()
+            self._start_sessions()
+
+    @property
+    def sessions_open(self) -> int:
+        """Assignment sessions open in the pool's idle pods now."""
+        return len(self._sessions) if self._sessions is not None else 0
+
+    @property
+    def watching(self) -> bool:
+        """Is the claim watch up (its copy filled by a list, its watch open)?"""
+        return self._watch is not None and self._watch.synced
+
+    def _start_watch(self) -> None:
+        """The claim watch the deliveries wait on (``claim_watch``), its own API client."""
+        if self._watch is not None:
+            return
+        d = self._driver
+        configuration = d.api_client.configuration
+        self._watch = ClaimWatch(
+            lambda: k8s.CustomObjectsApi(k8s.ApiClient(configuration)),
+            d.config.kubernetes_namespace,
+            d.selector,
+            d.logger,
+        )
+        self._watch.start()
+
+    def _start_sessions(self) -> None:
+        """The assignment sessions kept open in the pool's idle pods (``exec_sessions``)."""
+        if self._sessions is not None:
+            return
+        d = self._driver
+        ns = d.config.kubernetes_namespace
+        configuration = d.api_client.configuration
+
+        def open_session(pod: str) -> Session:
+            exec_client: Any = k8s.ApiClient(configuration)  # one per exec: see _assign_data
+            try:
+                resp: Any = stream(
+                    k8s.CoreV1Api(exec_client).connect_get_namespaced_pod_exec,
+                    pod,
+                    ns,
+                    container=CONTAINER_NAME,
+                    command=assignment_session_command(),
+                    stdin=True,
+                    stdout=True,
+                    stderr=True,
+                    tty=False,
+                    _preload_content=False,
+                )
+            except Exception:
+                exec_client.close()
+                raise
+            return Session(pod, exec_client, resp)
+
+        def idle_pods() -> list[str]:
+            """This installation's Ready pods that belong to no sandbox yet (the pool's idle ones)."""
+            listed: Any = k8s.CoreV1Api(d.api_client).list_namespaced_pod(
+                ns,
+                label_selector=f"{d.selector},{WARM_POD_LABEL}=true",
+                resource_version="0",  # the API server's cache: a cheap read, at most a moment old
+            )
+            pods: list[Any] = listed.items
+            return [
+                pod.metadata.name
+                for pod in pods
+                if not pod.metadata.deletion_timestamp
+                and pod.status.phase == "Running"
+                and LABEL_SANDBOX_ID not in (pod.metadata.labels or {})
+                and ANNOTATION_SANDBOX_ID not in (pod.metadata.annotations or {})
+                and any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
+            ]
+
+        self._sessions = ExecSessions(open_session, idle_pods, d.logger, limit=max(1, self.size))
+        self._sessions.start()
 
     async def _write_pool_object(self, plural: str, manifest: dict[str, Any]) -> None:
         """Create the template or pool, or apply it over this installation's own (at the
@@ -373,8 +486,10 @@ class WarmPool:
         base = sandbox_base_name(scope, sandbox_id)
         data = assignment_file(d.config, env)
         started = time.monotonic()  # the adoption window and time to sandbox count from the claim's create
+        timeline = {"ensure": started}
         # Create first (the common case costs one call); a 409 is a live claim or one on its way out.
         claim = await self._create_claim(scope, sandbox_id, env)
+        timeline["claim_created"] = time.monotonic()
         arm = "warm-claimed"
         if claim is None:
             claim = await self.read_claim(base)
@@ -393,6 +508,9 @@ class WarmPool:
         secret = assignment_secret_manifest(d.config, scope, sandbox_id, data, uid)
         await d.write_secret(secret, scope, sandbox_id, env)  # absent or this sandbox's: conditional
         fallback = (scope, sandbox_id, env) if arm == "warm-claimed" else None
+        if fallback is not None:
+            timeline["secret_kept"] = time.monotonic()
+            self._timelines[base] = timeline
         self._start_delivery(base, data, fallback, uid, started)
         return arm
 
@@ -458,6 +576,7 @@ class WarmPool:
                 for attempt in range(ASSIGN_ATTEMPTS):
                     try:
                         await self._assign_data(pod, data)
+                        self._step(base, "secrets_held")
                         break
                     except SandboxError as exc:
                         if attempt == ASSIGN_ATTEMPTS - 1:
@@ -470,6 +589,7 @@ class WarmPool:
                             await asyncio.sleep(0.2 * (attempt + 1))
             if sandbox is not None:
                 await self._mark_assigned(base, uid)
+                self._step(base, "marked")
                 launch = str(
                     ((sandbox.get("metadata") or {}).get("labels") or {}).get(LAUNCH_TYPE_LABEL) or "cold"
                 )
@@ -478,7 +598,8 @@ class WarmPool:
                     # a live claim again (a re-run ensure, a restart's recovery) is neither.
                     self.metrics.time_to_sandbox.labels(launch).observe(time.monotonic() - started)
                 d.logger.info(
-                    "agent-sandbox warm assignment delivered", extra={"sandbox": base, "launch": launch}
+                    "agent-sandbox warm assignment delivered",
+                    extra={"sandbox": base, "launch": launch, "steps_ms": self._end_timeline(base)},
                 )
                 return
             if fallback is None:
@@ -495,6 +616,32 @@ class WarmPool:
             raise
         except Exception as exc:  # the ensure has returned: nobody else would see this
             d.logger.error("agent-sandbox warm delivery failed", extra={"sandbox": base, "error": str(exc)})
+        finally:
+            self._timelines.pop(base, None)  # a miss, a failure or a cancel: no timeline of a launch
+
+    def _step(self, base: str, step: str) -> None:
+        """The claim ``base`` reached ``step`` now (its first time only; no timeline: not timed)."""
+        timeline = self._timelines.get(base)
+        if timeline is not None and step not in timeline:
+            timeline[step] = time.monotonic()
+
+    def _end_timeline(self, base: str) -> dict[str, float]:
+        """Observe and hand on the timeline of the claim ``base``; its steps in ms since the one before."""
+        timeline = self._timelines.pop(base, None)
+        if timeline is None:
+            return {}
+        steps: dict[str, float] = {}
+        before: float | None = None
+        for step in WARM_STEPS:
+            if step not in timeline:
+                continue
+            if before is not None:
+                self.metrics.warm_step.labels(step).observe(timeline[step] - before)
+                steps[step] = round((timeline[step] - before) * 1000, 1)
+            before = timeline[step]
+        if self.on_timeline is not None:
+            self.on_timeline(base, timeline)
+        return steps
 
     async def cancel_delivery(self, base: str) -> None:
         task = self._deliveries.pop(base, None)
@@ -511,6 +658,12 @@ class WarmPool:
     async def close(self) -> None:
         for base in list(self._deliveries):
             await self.cancel_delivery(base)
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
+        if self._sessions is not None:
+            await self._sessions.close()
+            self._sessions = None
 
     async def recover(self) -> int:
         """Deliver the kept assignment of every claim of ours whose pod does not hold it yet (a
@@ -618,26 +771,80 @@ class WarmPool:
         await self._assign(name, env)
 
     async def _wait_ready(self, base: str, started: float, uid: str) -> dict[str, Any] | None:
-        """The Sandbox of the claim ``uid`` once that claim is Ready; neither may be on its way out."""
-        while time.monotonic() - started < self.adopt_timeout_s:
-            claim = await self.read_claim(base)
-            meta = (claim or {}).get("metadata") or {}
-            alive = (
-                claim is not None and not meta.get("deletionTimestamp") and str(meta.get("uid", "")) == uid
-            )
-            adopted = ((claim or {}).get("status") or {}).get("sandbox", {}).get("name") if alive else None
-            if claim is not None and adopted and _ready(claim):
-                sandbox = await self._driver.read_sandbox(adopted)
-                if sandbox is not None and not (sandbox.get("metadata") or {}).get("deletionTimestamp"):
-                    return sandbox
-            await asyncio.sleep(POLL_S)
+        """The Sandbox of the claim ``uid`` once either is Ready; neither may be on its way out.
+
+        The claim names a pool Sandbox (already Ready) a reconcile or more before the controller
+        marks the claim itself Ready: the Sandbox's own Ready is enough to hand the secrets over.
+        The claim is read from the claim watch's copy after each change it sees, and from the API
+        server first, after ``WATCH_FALLBACK_S`` without a change, and while the watch is down
+        (then every ``POLL_S``)."""
+        watch = self._watch
+        with contextlib.ExitStack() as stack:
+            change = stack.enter_context(watch.listening(base)) if watch is not None else None
+            fresh = True
+            while time.monotonic() - started < self.adopt_timeout_s:
+                if change is not None:
+                    change.clear()  # a change from here on wakes the wait below
+                claim = None if fresh or watch is None else watch.claim(base)
+                if claim is None:
+                    claim = await self.read_claim(base)
+                meta = (claim or {}).get("metadata") or {}
+                alive = (
+                    claim is not None
+                    and not meta.get("deletionTimestamp")
+                    and str(meta.get("uid", "")) == uid
+                )
+                adopted = (
+                    ((claim or {}).get("status") or {}).get("sandbox", {}).get("name") if alive else None
+                )
+                if claim is not None and adopted:
+                    self._step(base, "named")
+                    sandbox = await self._driver.read_sandbox(adopted)
+                    if (
+                        sandbox is not None
+                        and not (sandbox.get("metadata") or {}).get("deletionTimestamp")
+                        and (_ready(sandbox) or _ready(claim))
+                    ):
+                        self._step(base, "ready")
+                        return sandbox
+                if change is not None and watch is not None and watch.synced:
+                    left = self.adopt_timeout_s - (time.monotonic() - started)
+                    fresh = not await change.wait(max(0.0, min(WATCH_FALLBACK_S, left)))
+                else:
+                    fresh = True
+                    await asyncio.sleep(POLL_S)
         return None
+
+    async def _hand_over(self, pod: str, data: bytes) -> bool:
+        """Write ``data`` into the session opened ahead in ``pod``, if there is one: did its process
+        write the assignment file (exit 0)? False sends the delivery to a fresh exec."""
+        sessions = self._sessions
+        session = sessions.take(pod) if sessions is not None else None
+        if sessions is None or session is None:
+            self.metrics.handovers.labels("exec").inc()
+            return False
+        loop = asyncio.get_running_loop()
+        try:
+            code = await loop.run_in_executor(
+                sessions.executor, write_and_wait, session, assignment_session_payload(data)
+            )
+        except Exception as exc:  # a stream closed under it: a fresh exec does it
+            self._driver.logger.info(
+                "agent-sandbox exec session failed; handing over with a fresh exec",
+                extra={"pod": pod, "error": type(exc).__name__},
+            )
+            code = None
+        self.metrics.handovers.labels("session" if code == 0 else "exec").inc()
+        return code == 0
 
     async def _assign(self, pod: str, env: SandboxEnvironment) -> None:
         await self._assign_data(pod, assignment_file(self._driver.config, env))
 
     async def _assign_data(self, pod: str, data: bytes) -> None:
-        """Write the secrets into the adopted pod over exec stdin; never into a label or annotation."""
+        """Write the secrets into the adopted pod over exec stdin (the session opened ahead in it, else
+        a fresh exec); never into a label or annotation."""
+        if await self._hand_over(pod, data):
+            return
         d = self._driver
 
         def run() -> int | None:
@@ -674,7 +881,10 @@ class WarmPool:
                 resp.close()
 
         try:
-            code = await asyncio.to_thread(run)
+            if self._sessions is not None:
+                code = await asyncio.get_running_loop().run_in_executor(self._sessions.executor, run)
+            else:
+                code = await asyncio.to_thread(run)
         except Exception as exc:  # websocket errors, a Failure status without causes, ...
             raise SandboxError(
                 f"agent-sandbox assignment to pod {pod} failed: {type(exc).__name__}"

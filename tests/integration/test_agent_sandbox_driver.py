@@ -38,6 +38,7 @@ from drivers.agent_sandbox.driver import (
 )
 from drivers.agent_sandbox.idle import SessionActivity
 from drivers.agent_sandbox.manifests import GROUP, PLURAL, VERSION, sandbox_manifest, workspace_claim_name
+from drivers.agent_sandbox.warm_pool import WARM_STEPS
 from drivers.contract import SandboxCollision, SandboxEnvironment, SandboxError
 from drivers.kubernetes.manifests import secret_name
 from drivers.naming import sandbox_base_name
@@ -610,7 +611,12 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         await driver.warm.prepare()
         await pool_ready(driver, 2)
 
+        await wait_for("the claim watch", lambda: driver.warm.watching)  # its deliveries wait on it
+        # an assignment session opened ahead in each idle pod of the pool
+        await wait_for("the assignment sessions", lambda: driver.warm.sessions_open == 2)
         # 1. The ensure returns once the claim and its kept assignment exist; the delivery follows.
+        timelines: dict[str, dict[str, float]] = {}
+        driver.warm.on_timeline = timelines.__setitem__
         execution = f"wfx_async_{uuid.uuid4().hex[:8]}"
         base = sandbox_base_name("workflow", execution)
         token = "tok.async.secret"
@@ -628,6 +634,25 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         await driver.warm.settled()
         assert annotations(base).get("stigmer.ai/assigned") == "true"
         assert launches(metrics, "warm") == 1 and launches(metrics, "cold") is None  # one launch, timed
+        # ... through the session opened ahead in the pod the claim names (no exec of its own)
+        assert (
+            metrics.get_sample_value(
+                "sandbox_lanes_agent_sandbox_assignment_handovers_total", {"via": "session"}
+            )
+            == 1
+        )
+        # ... step by step: every step reached once, in order, each observed once by the step histogram
+        assert list(timelines) == [base]
+        assert tuple(timelines[base]) == WARM_STEPS
+        marks = list(timelines[base].values())
+        assert marks == sorted(marks)
+        for step in WARM_STEPS[1:]:
+            assert (
+                metrics.get_sample_value(
+                    "sandbox_lanes_agent_sandbox_warm_step_seconds_count", {"step": step}
+                )
+                == 1
+            ), step
         adopted = _claim(custom, ns, base)["status"]["sandbox"]["name"]
         assert (
             await wait_for(
@@ -659,6 +684,7 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
         restarted_metrics = CollectorRegistry()
         restarted_driver.bind_metrics(restarted_metrics)
         assert restarted_driver.warm is not None
+        assert not restarted_driver.warm.watching  # recover runs before any ensure: its deliveries poll
         assert await restarted_driver.warm.recover() == 1  # the assigned claim of step 1 is left alone
         await restarted_driver.warm.settled()
         assert annotations(rbase).get("stigmer.ai/assigned") == "true"

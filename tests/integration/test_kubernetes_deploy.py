@@ -586,6 +586,17 @@ async def test_kubectl_apply_k_the_agent_sandbox_overlay_and_the_pod_provisions_
         # The Role without pods/exec: the warm delivery is refused, a miss, and the runner goes cold
         # (a Sandbox of its own, under the claim's name).
         await _without_verbs(rbac, "pods/exec", {"get", "create"})
+        # An assignment session opened ahead (while exec was allowed) would still take the secrets:
+        # the pool's idle pods are replaced, and the new ones can get no session.
+        idle = [
+            pod.metadata.name
+            for pod in core.list_namespaced_pod(SANDBOX_NAMESPACE).items
+            if "stigmer.ai/sandbox-id" not in (pod.metadata.annotations or {})
+            and "stigmer.ai/sandbox-id" not in (pod.metadata.labels or {})
+        ]
+        assert idle, "the warm pool has an idle pod"
+        for name in idle:
+            core.delete_namespaced_pod(name, SANDBOX_NAMESPACE, grace_period_seconds=0)
         missed = f"wfx_noexec_{uuid.uuid4().hex[:8]}"
         missed_base = sandbox_base_name("workflow", missed)
         sent = time.monotonic()

@@ -399,3 +399,77 @@ def test_session_activity_is_busy_while_any_execution_runs_and_idle_since_the_la
     assert reader.activity("ses_none") == SessionActivity(busy=False, last_active_at=None, executions=0)
     # A session whose partition this pod does not own is not its to judge.
     assert StoreSessionActivity(_Pod(states, partition=7)).activity("ses_a") is None  # type: ignore[arg-type]
+
+
+def _warm_script_in(tmp_path: Any) -> tuple[str, Any, Any]:
+    """The warm runner script with its paths moved under ``tmp_path`` and a runner that prints its queue."""
+    from drivers.agent_sandbox.warm import ASSIGNMENT_FILE, PODINFO_DIR, WARM_RUNNER_SCRIPT
+    from drivers.runner.launch import runner_command
+
+    (tmp_path / "podinfo").mkdir()
+    runner = tmp_path / "runner"
+    runner.write_text(
+        '#!/bin/busybox sh\nprintf "queue=%s token=%s" "$STIGMER_TASK_QUEUE" "$STIGMER_TOKEN"\n'
+    )
+    runner.chmod(0o755)
+    script = (
+        WARM_RUNNER_SCRIPT.replace(ASSIGNMENT_FILE, str(tmp_path / "assignment.env"))
+        .replace(PODINFO_DIR, str(tmp_path / "podinfo"))
+        .replace(" ".join(runner_command()), str(runner))
+    )
+    return script, tmp_path / "assignment.env", tmp_path / "podinfo" / "annotations"
+
+
+def test_a_warm_runner_takes_its_queue_from_the_assignment_file_without_the_annotation(tmp_path: Any) -> None:
+    import subprocess
+
+    from drivers.agent_sandbox.warm import assignment_file
+
+    script, assignment, annotations = _warm_script_in(tmp_path)
+    assignment.write_bytes(assignment_file(CONFIG, SandboxEnvironment("wfexec:wfx_q", "tok.en.value")))
+    assert not annotations.exists()  # the downward-API copy has not caught up: no wait on it
+    out = subprocess.run(
+        ["/bin/busybox", "sh", "-c", script], capture_output=True, text=True, check=True, timeout=10
+    ).stdout
+    assert out == "queue=wfexec:wfx_q token=tok.en.value"
+
+
+def test_a_warm_runner_given_a_file_without_its_queue_waits_for_the_annotation(tmp_path: Any) -> None:
+    import subprocess
+
+    script, assignment, annotations = _warm_script_in(tmp_path)
+    assignment.write_text("# stigmer sandbox assignment\nSTIGMER_TOKEN=tok.old\n")  # an older driver's file
+    runner = subprocess.Popen(["/bin/busybox", "sh", "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            runner.wait(timeout=0.5)  # no queue anywhere yet: still waiting
+        annotations.write_text('stigmer.ai/sandbox-id="wfx_q"\nstigmer.ai/task-queue="wfexec:wfx_q"\n')
+        out, _ = runner.communicate(timeout=10)
+    finally:
+        runner.kill()
+    assert out == "queue=wfexec:wfx_q token=tok.old"
+
+
+def test_a_waiting_warm_runner_is_woken_by_the_writer_of_its_file_not_by_its_poll(tmp_path: Any) -> None:
+    import subprocess
+
+    from drivers.agent_sandbox.warm import assignment_command, assignment_file
+
+    script, assignment, _ = _warm_script_in(tmp_path)
+    assert "sleep 0.05 &" in script
+    script = script.replace("sleep 0.05 &", "sleep 60 &")  # a poll that would not find the file in time
+    runner = subprocess.Popen(["/bin/busybox", "sh", "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        data = assignment_file(CONFIG, SandboxEnvironment("wfexec:wfx_w", "tok.wake"))
+        # the writer's command as the driver sends it, its file and wake aimed at this runner's pid
+        command = [
+            part.replace("/run/stigmer/assignment.env", str(assignment)).replace(
+                "kill -WINCH 1", f"kill -WINCH {runner.pid}"
+            )
+            for part in assignment_command(len(data))
+        ]
+        subprocess.run(["/bin/busybox", "sh", *command[1:]], input=data, check=True, timeout=10)
+        out, _ = runner.communicate(timeout=10)  # well before the 60 s poll: woken
+    finally:
+        runner.kill()
+    assert out == "queue=wfexec:wfx_w token=tok.wake"
