@@ -254,13 +254,14 @@ def _burst_latency(doc: Mapping[str, Any]) -> Figure | None:
         for label, samples, marks in drawn:
             y = len(labels) - 1 - labels.index(label)
             if samples is not None:
-                ax.boxplot(
+                box = ax.boxplot(
                     [samples], positions=[y], orientation="horizontal", whis=(1, 99), widths=0.5,
                     showfliers=False, patch_artist=True, boxprops={"facecolor": "#ddf4ff"},
                     medianprops={"color": P50_COLOR},
                 )  # fmt: skip
-                ax.annotate(f"n={len(samples)}", (max(samples), y), xytext=(4, 0),
-                            textcoords="offset points", va="center", fontsize=7, color="#57606a")  # fmt: skip
+                right = float(max(box["whiskers"][1].get_xdata()))  # the p99 whisker's end
+                ax.annotate(f"n={len(samples)}", (right, y), xytext=(4, 0), textcoords="offset points",
+                            va="center", fontsize=7, color="#57606a", annotation_clip=False)  # fmt: skip
                 values.extend(samples)
             elif marks is not None:
                 ax.plot(list(marks), [y, y], color="#8c959f", linewidth=1, zorder=1)
