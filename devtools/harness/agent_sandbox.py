@@ -468,6 +468,8 @@ class AgentSandboxController:
             f"--metrics-bind-address=127.0.0.1:{self.metrics_port}",
             f"--health-probe-bind-address=127.0.0.1:{self.probe_port}",
             f"--kubeconfig={self.kubeconfig_path}",
+            # tuning flags of the controller's own, e.g. for the bench's warm bursts
+            *os.environ.get("SANDBOX_LANES_AGENT_SANDBOX_ARGS", "").split(),
         ]
 
     def _start_process(self) -> None:

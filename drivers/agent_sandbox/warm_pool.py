@@ -154,7 +154,7 @@ class WarmPoolMetrics:
         )
         self.handovers = Counter(
             "sandbox_lanes_agent_sandbox_assignment_handovers",
-            "Warm assignments handed over, by way: an exec session opened ahead, or a fresh exec",
+            "Assignments a pod took, by way: the exec session opened ahead in it, or a fresh exec",
             ["via"],
             registry=r,
         )
@@ -821,7 +821,6 @@ class WarmPool:
         sessions = self._sessions
         session = sessions.take(pod) if sessions is not None else None
         if sessions is None or session is None:
-            self.metrics.handovers.labels("exec").inc()
             return False
         loop = asyncio.get_running_loop()
         try:
@@ -834,7 +833,8 @@ class WarmPool:
                 extra={"pod": pod, "error": type(exc).__name__},
             )
             code = None
-        self.metrics.handovers.labels("session" if code == 0 else "exec").inc()
+        if code == 0:
+            self.metrics.handovers.labels("session").inc()
         return code == 0
 
     async def _assign(self, pod: str, env: SandboxEnvironment) -> None:
@@ -891,6 +891,7 @@ class WarmPool:
             ) from None
         if code != 0:
             raise SandboxError(f"agent-sandbox assignment to pod {pod} failed (exit {code})")
+        self.metrics.handovers.labels("exec").inc()
 
 
 __all__ = ["GROUP", "PLURAL", "VERSION", "WarmPool", "WarmPoolMetrics"]

@@ -175,6 +175,27 @@ def test_bench_tiny_burst_measures_time_to_sandbox_for_every_driver(
     _positive(warm, "assigned_p50_ms", "sequential_assigned_p50_ms", "sequential_assigned_p99_ms")
     assert sum(warm["launches"].values()) == 6 and warm["adoption_misses"] == 0, warm  # burst + one by one
     assert "agent-sandbox warm, 3 creates one at a time on a full pool" in proc.stdout
+    # every create timed step by step, each step seen (the pod's spans, the pool's timeline or the node's
+    # pods and containerd's events, the runner's first line): the steps of one create add up to its total
+    for label, steps, n in (
+        ("kubernetes", k8s["steps"], 3),
+        ("agent-sandbox cold", cold["steps"], 3),
+        ("warm, one at a time", warm["sequential_steps"], 3),
+        ("warm burst", warm["burst_steps"], 3),
+    ):
+        assert steps["creates"] == n and steps["whole"] == n, (label, steps)
+        assert all(v >= 0 for v in steps["steps_p50_ms"].values()), (label, steps)
+        runner = steps["samples_ms"]["runner_ready"]
+        assert len(runner) == n and min(runner) > 0, (label, steps)
+    assert k8s["steps"]["steps"][-4:] == [
+        "sandbox_started",
+        "container_created",
+        "container_started",
+        "runner_started",
+    ]
+    assert len(warm["sequential_steps"]["samples_ms"]["secrets_held"]) == 3
+    # the runners took their secrets through the sessions opened ahead, or fresh execs: one each
+    assert sum(warm["handovers"].values()) == 6, warm["handovers"]
     # the latency distributions per driver and launch type; the breakdown where rows carry their steps
     with_steps = [label for label, row in burst_rows(burst) if row.get("steps_p50_ms")]
     _plots(tmp_path / "burst-plots", {"burst-latency"} | ({"burst-breakdown"} if with_steps else set()))
