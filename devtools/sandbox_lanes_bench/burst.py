@@ -529,7 +529,8 @@ def _cold_rows(label: str, fig: dict[str, Any]) -> list[tuple[str, str, str, str
         (
             f"   {label}, burst of {fig['n']}: event in -> runner started p50 / p99, ms, step by step",
             f"{found['runner_started_p50_ms']:,.0f} / {found['runner_started_p99_ms']:,.0f}",
-            f"{found['whole']} of {found['creates']} timed whole",
+            f"{found['whole']} of {found['creates']} timed whole"
+            + (f"; unseen steps {found['missing']}" if found.get("missing") else ""),
             "",
         ),
         *step_rows(found, steps),

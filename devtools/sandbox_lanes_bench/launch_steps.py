@@ -167,9 +167,13 @@ def breakdown(
     to_held: list[float] = []
     to_runner: list[float] = []
     whole = 0
+    missing: dict[str, int] = {}
     for execution_id, t0 in sent.items():
         mine = marks.get(execution_id, {})
-        if any(name not in mine for name, _ in steps):
+        unseen = [name for name, _ in steps if name not in mine]
+        for name in unseen:
+            missing[name] = missing.get(name, 0) + 1
+        if unseen:
             continue
         whole += 1
         before = t0
@@ -183,6 +187,7 @@ def breakdown(
     return {
         "creates": len(sent),
         "whole": whole,
+        "missing": missing,  # creates without a mark of the step (not timed whole)
         "steps": [name for name, _ in steps],
         "steps_p50_ms": {name: pct(per_step[name], 50) for name, _ in steps},
         "steps_p99_ms": {name: pct(per_step[name], 99) for name, _ in steps},
