@@ -5,8 +5,11 @@
 finds nothing first claims from the pool:
 
 1. create SandboxClaim ``<base>`` (labels as a Sandbox would have; the task queue as an annotation);
-2. wait until the claim names its Sandbox and is Ready (``warm_adopt_timeout_seconds``, default 10);
-3. write the secrets into the pod over exec stdin (``assignment_file``).
+2. wait until the claim names its Sandbox and that Sandbox (or the claim) is Ready
+   (``warm_adopt_timeout_seconds``, default 10), on the claim watch (``claim_watch``);
+3. write the secrets (and the task queue) into the pod over exec stdin (``assignment_file``): into
+   the exec opened ahead in that pod while it sat idle in the pool (``exec_sessions``), else a
+   fresh exec.
 
 A claim that is not Ready in time, or whose pod will not take the assignment, is an adoption miss:
 the claim is deleted and the ensure falls back to a cold Sandbox of its own. The controller itself
