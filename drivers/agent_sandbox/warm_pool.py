@@ -111,6 +111,8 @@ GONE_TIMEOUT_S: Final = 60.0
 POLL_S: Final = 0.02
 #: With the claim watch up: the longest a delivery waits for a change before it reads its claim anew.
 WATCH_FALLBACK_S: Final = 0.5
+#: A named Sandbox not Ready yet is read again after POLL_S, then 1.5 x longer each time, up to this.
+UNREADY_MAX_S: Final = 0.2
 #: A warm claim's steps, in order (``warm_assignment=async``): its timeline records when each was
 #: reached (``time.monotonic``), and the step histogram observes each one's seconds since the step
 #: before it. ``ensure``: the driver's ensure began; ``claim_created``: the API answered the claim's
@@ -785,6 +787,7 @@ class WarmPool:
         with contextlib.ExitStack() as stack:
             change = stack.enter_context(watch.listening(base)) if watch is not None else None
             fresh = True
+            unready_wait = POLL_S
             while time.monotonic() - started < self.adopt_timeout_s:
                 if change is not None:
                     change.clear()  # a change from here on wakes the wait below
@@ -810,6 +813,13 @@ class WarmPool:
                     ):
                         self._step(base, "ready")
                         return sandbox
+                    # Named, its Sandbox not Ready yet (still being adopted; or cold-made, the pool
+                    # empty): the watch is on claims, not Sandboxes, so the Sandbox is read again
+                    # soon, then less and less often.
+                    fresh = False
+                    await asyncio.sleep(unready_wait)
+                    unready_wait = min(unready_wait * 1.5, UNREADY_MAX_S)
+                    continue
                 if change is not None and watch is not None and watch.synced:
                     left = self.adopt_timeout_s - (time.monotonic() - started)
                     fresh = not await change.wait(max(0.0, min(WATCH_FALLBACK_S, left)))
