@@ -31,7 +31,7 @@ REFRESH_S: Final = 1.0
 MAX_AGE_S: Final = 1800.0
 #: How long a delivery waits for the session's process to exit once the assignment is written.
 EXIT_TIMEOUT_S: Final = 10.0
-#: Threads for the sessions' blocking websocket calls (and the fresh execs of the deliveries).
+#: Threads for the deliveries' blocking websocket calls, and as many again for the refresh's.
 THREADS: Final = 8
 
 
@@ -51,18 +51,23 @@ class Session:
             self.client.close()
 
 
+def feed_and_wait(resp: Any, data: bytes, timeout_s: float) -> int | None:
+    """(Blocking) write ``data`` into an exec's stdin and wait for it to end: its exit code, or None
+    (it did not end within ``timeout_s``). A fresh exec and a session opened ahead both end here."""
+    resp.write_stdin(data)
+    deadline = time.monotonic() + timeout_s
+    while resp.is_open() and time.monotonic() < deadline:
+        resp.update(timeout=1)
+    code: int | None = resp.returncode
+    return code
+
+
 def write_and_wait(session: Session, payload: bytes) -> int | None:
     """(Blocking) write ``payload`` into the session's stdin; its process's exit code, or None."""
     try:
-        resp = session.stream
-        if not resp.is_open():
+        if not session.stream.is_open():
             return None
-        resp.write_stdin(payload)
-        deadline = time.monotonic() + EXIT_TIMEOUT_S
-        while resp.is_open() and time.monotonic() < deadline:
-            resp.update(timeout=1)
-        code: int | None = resp.returncode
-        return code
+        return feed_and_wait(session.stream, payload, EXIT_TIMEOUT_S)
     finally:
         session.close()
 
@@ -83,9 +88,12 @@ class ExecSessions:
         self._limit = limit
         self._sessions: dict[str, Session] = {}
         self._opening: set[str] = set()
+        #: The deliveries' writes and fresh execs; the refresh's list and opens have threads of their
+        #: own, so an open that hangs (a websocket connect has no timeout) never holds a delivery up.
         self.executor = concurrent.futures.ThreadPoolExecutor(
             THREADS, thread_name_prefix="agent-sandbox-exec"
         )
+        self._opener = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="agent-sandbox-open")
         self._task: asyncio.Task[None] | None = None
         self._failures = 0
 
@@ -110,6 +118,7 @@ class ExecSessions:
         for session in sessions:
             session.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self._opener.shutdown(wait=False, cancel_futures=True)
 
     async def _keep(self) -> None:
         loop = asyncio.get_running_loop()
@@ -134,7 +143,7 @@ class ExecSessions:
 
     async def refresh(self, loop: asyncio.AbstractEventLoop) -> None:
         """Close the sessions of pods no longer idle (or too old); open one in each new idle pod."""
-        idle = await loop.run_in_executor(self.executor, self._idle_pods)
+        idle = await loop.run_in_executor(self._opener, self._idle_pods)
         now = time.monotonic()
         for pod, session in list(self._sessions.items()):
             if pod not in idle or now - session.opened > MAX_AGE_S or not session.stream.is_open():
@@ -147,7 +156,7 @@ class ExecSessions:
     async def _open(self, loop: asyncio.AbstractEventLoop, pod: str) -> None:
         self._opening.add(pod)
         try:
-            session = await loop.run_in_executor(self.executor, self._open_session, pod)
+            session = await loop.run_in_executor(self._opener, self._open_session, pod)
         except Exception as exc:  # not ready for an exec yet, or gone: the next refresh tries again
             self._logger.debug("agent-sandbox exec session not opened", extra={"pod": pod, "error": str(exc)})
             return

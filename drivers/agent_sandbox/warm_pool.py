@@ -41,7 +41,7 @@ from kubernetes.stream import stream
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from drivers.agent_sandbox.claim_watch import ClaimWatch
-from drivers.agent_sandbox.exec_sessions import ExecSessions, Session, write_and_wait
+from drivers.agent_sandbox.exec_sessions import ExecSessions, Session, feed_and_wait, write_and_wait
 from drivers.agent_sandbox.manifests import GROUP, PLURAL, VERSION
 from drivers.agent_sandbox.warm import (
     ANNOTATION_ASSIGNED,
@@ -109,6 +109,10 @@ ASSIGN_ATTEMPTS: Final = 3
 #: How long a missed claim may take to go (a foreground delete: its cold-made Sandbox and pod first).
 GONE_TIMEOUT_S: Final = 60.0
 POLL_S: Final = 0.02
+#: The refresh's list of the pool's idle pods gives up after this (the next refresh lists again).
+LIST_TIMEOUT_S: Final = 10.0
+#: How long a fresh exec's process may take to write the assignment and end.
+FRESH_EXEC_TIMEOUT_S: Final = 30.0
 #: With the claim watch up: the longest a delivery waits for a change before it reads its claim anew.
 WATCH_FALLBACK_S: Final = 0.5
 #: A named Sandbox not Ready yet is read again after POLL_S, then 1.5 x longer each time, up to this.
@@ -273,6 +277,7 @@ class WarmPool:
                 ns,
                 label_selector=f"{d.selector},{WARM_POD_LABEL}=true",
                 resource_version="0",  # the API server's cache: a cheap read, at most a moment old
+                _request_timeout=LIST_TIMEOUT_S,
             )
             pods: list[Any] = listed.items
             return [
@@ -884,12 +889,7 @@ class WarmPool:
                 _preload_content=False,
             )
             try:
-                resp.write_stdin(data)
-                deadline = time.monotonic() + 30
-                while resp.is_open() and time.monotonic() < deadline:
-                    resp.update(timeout=1)
-                code: int | None = resp.returncode
-                return code
+                return feed_and_wait(resp, data, FRESH_EXEC_TIMEOUT_S)
             finally:
                 resp.close()
 
