@@ -151,21 +151,9 @@ async def measure_throughput(args: argparse.Namespace, bootstrap: str, show: boo
                 bar.advance()
                 for guarantee, out in (("exactly_once", pod_eos), ("at_least_once", pod_alo)):
                     env = {
-                        **base,
+                        **_run_env(base, tag, f"{guarantee}-{r}", created),
                         "SANDBOX_LANES_PROCESSING_GUARANTEE": guarantee,
-                        "SANDBOX_LANES_GROUP_ID": f"{tag}-pod-{guarantee}-{r}",
-                        "SANDBOX_LANES_TOPIC_OUTCOMES": f"{tag}.outcomes-{guarantee}-{r}",
-                        "SANDBOX_LANES_TOPIC_STATE": f"{tag}.state-{guarantee}-{r}",
-                        "SANDBOX_LANES_TOPIC_DLQ": f"{tag}.dlq-{guarantee}-{r}",
                     }
-                    created.extend(
-                        env[k]
-                        for k in (
-                            "SANDBOX_LANES_TOPIC_OUTCOMES",
-                            "SANDBOX_LANES_TOPIC_STATE",
-                            "SANDBOX_LANES_TOPIC_DLQ",
-                        )
-                    )
                     rate, cpu_us = await _pod_throughput(env, n, args.max_batch, timeout)
                     out.append(rate)
                     cpu[guarantee].append(cpu_us)
@@ -194,6 +182,18 @@ async def measure_throughput(args: argparse.Namespace, bootstrap: str, show: boo
     }
 
 
+def _run_env(base: dict[str, str], tag: str, run: str, created: list[str]) -> dict[str, str]:
+    """``base`` with one pod run's own group and output topics (named by ``run``), which are added
+    to ``created`` (deleted after the figure)."""
+    topics = {
+        "SANDBOX_LANES_TOPIC_OUTCOMES": f"{tag}.outcomes-{run}",
+        "SANDBOX_LANES_TOPIC_STATE": f"{tag}.state-{run}",
+        "SANDBOX_LANES_TOPIC_DLQ": f"{tag}.dlq-{run}",
+    }
+    created.extend(topics.values())
+    return {**base, "SANDBOX_LANES_GROUP_ID": f"{tag}-pod-{run}", **topics}
+
+
 # --- figure 2 with the state store on disk (issue 38) -------------------------------------------
 
 
@@ -218,22 +218,10 @@ async def measure_store_pairs(
                 order = ("memory", "rocksdb") if r % 2 == 0 else ("rocksdb", "memory")
                 for store in order:
                     env = {
-                        **base,
+                        **_run_env(base, tag, f"{store}-{r}", created),
                         "SANDBOX_LANES_STATE_STORE": store,
                         "SANDBOX_LANES_STATE_DIR": f"{tmp}/{store}-{r}",
-                        "SANDBOX_LANES_GROUP_ID": f"{tag}-pod-{store}-{r}",
-                        "SANDBOX_LANES_TOPIC_OUTCOMES": f"{tag}.outcomes-{store}-{r}",
-                        "SANDBOX_LANES_TOPIC_STATE": f"{tag}.state-{store}-{r}",
-                        "SANDBOX_LANES_TOPIC_DLQ": f"{tag}.dlq-{store}-{r}",
                     }
-                    created.extend(
-                        env[k]
-                        for k in (
-                            "SANDBOX_LANES_TOPIC_OUTCOMES",
-                            "SANDBOX_LANES_TOPIC_STATE",
-                            "SANDBOX_LANES_TOPIC_DLQ",
-                        )
-                    )
                     rate, cpu_us = await _pod_throughput(env, n, max_batch, timeout)
                     runs[store].append(rate)
                     cpu[store].append(cpu_us)

@@ -264,21 +264,16 @@ class Deployed:
         self.applied = applied
 
 
-async def deploy(
-    driver: str,
-    *,
-    dockerd: Dockerd,
-    kube_node: KubeNode,
-    core: Any,
+def node_pod_env(
+    isolated: dict[str, str],
     kafka_bootstrap: str,
-    tmp_path: Path,
+    kube_node: KubeNode,
+    http_port: int,
     driver_options: dict[str, str],
-) -> Deployed:
-    await wait_for("namespaces of an earlier run to go", lambda: _namespaces_gone(core), timeout=120)
-    await asyncio.to_thread(_import_pod_image, dockerd, kube_node)
-    isolated = unique_env(kafka_bootstrap, tmp_path)
-    http_port = free_port()
-    env = {
+) -> dict[str, str]:
+    """What a node overlay sets on the pod: its own topics and group (of ``isolated``), the broker,
+    the HTTP port, the API server on loopback, the runner image and the driver's options."""
+    return {
         **{
             k: v
             for k, v in isolated.items()
@@ -296,6 +291,23 @@ async def deploy(
         "STIGMER_SANDBOX_RUNNER_IMAGE": RUNNER_IMAGE,
         "SANDBOX_LANES_DRIVER_OPTIONS": ",".join(f"{k}={v}" for k, v in driver_options.items()),
     }
+
+
+async def deploy(
+    driver: str,
+    *,
+    dockerd: Dockerd,
+    kube_node: KubeNode,
+    core: Any,
+    kafka_bootstrap: str,
+    tmp_path: Path,
+    driver_options: dict[str, str],
+) -> Deployed:
+    await wait_for("namespaces of an earlier run to go", lambda: _namespaces_gone(core), timeout=120)
+    await asyncio.to_thread(_import_pod_image, dockerd, kube_node)
+    isolated = unique_env(kafka_bootstrap, tmp_path)
+    http_port = free_port()
+    env = node_pod_env(isolated, kafka_bootstrap, kube_node, http_port, driver_options)
     shipped = OVERLAYS / driver
     token_key = base64.b64encode(secrets.token_bytes(32)).decode()
     overlay = node_overlay(tmp_path / "node-overlay", shipped, env, http_port, token_key)

@@ -151,7 +151,6 @@ async def test_the_statefulset_on_the_node_keeps_its_states_on_its_claim_and_a_r
     kafka_bootstrap: str,
     tmp_path: Path,
 ) -> None:
-    from harness.kube_node import RUNNER_IMAGE
     from kubernetes import client
 
     from tests.integration.test_kubernetes_deploy import (
@@ -161,6 +160,7 @@ async def test_the_statefulset_on_the_node_keeps_its_states_on_its_claim_and_a_r
         _import_pod_image,
         _namespaces_gone,
         kubectl,
+        node_pod_env,
     )
     from tests.integration.test_kubernetes_node import SMALL_RUNNER, wait_for
     from tests.integration.test_ops_http import free_port
@@ -172,23 +172,7 @@ async def test_the_statefulset_on_the_node_keeps_its_states_on_its_claim_and_a_r
     await asyncio.to_thread(_import_pod_image, dockerd, kube_node)
     isolated = unique_env(kafka_bootstrap, tmp_path)
     http_port = free_port()
-    env = {
-        **{
-            k: v
-            for k, v in isolated.items()
-            if k.startswith(("SANDBOX_LANES_TOPIC_", "SANDBOX_LANES_GROUP_ID"))
-        },
-        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
-        "SANDBOX_LANES_PARTITIONS": "2",
-        "SANDBOX_LANES_HTTP_HOST": "127.0.0.1",
-        "SANDBOX_LANES_HTTP_PORT": str(http_port),
-        "KUBERNETES_SERVICE_HOST": "127.0.0.1",
-        "KUBERNETES_SERVICE_PORT": str(kube_node.port),
-        "STIGMER_SANDBOX_BACKEND_ENDPOINT": "http://127.0.0.1:7234",
-        "STIGMER_SANDBOX_TEMPORAL_ADDRESS": "127.0.0.1:7233",
-        "STIGMER_SANDBOX_RUNNER_IMAGE": RUNNER_IMAGE,
-        "SANDBOX_LANES_DRIVER_OPTIONS": ",".join(f"{k}={v}" for k, v in SMALL_RUNNER.items()),
-    }
+    env = node_pod_env(isolated, kafka_bootstrap, kube_node, http_port, SMALL_RUNNER)
     overlay = _statefulset_overlay(tmp_path / "node-overlay", env, http_port)
     pod_env = {**isolated, **env, "SANDBOX_PROVISIONER_TYPE": "kubernetes"}  # the overlay sets it
     await create_inputs(pod_env)
