@@ -19,6 +19,7 @@ COPY pyproject.toml README.md ./
 COPY consumers ./consumers
 COPY drivers ./drivers
 COPY events ./events
+COPY resilience ./resilience
 RUN /opt/venv/bin/pip install --no-compile . \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 

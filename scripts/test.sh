@@ -21,8 +21,8 @@ echo "[test] building the agent-sandbox controller v1.0.1 from source (cached)" 
 echo "[test] building the Debian Python base for the pod image test (cached)" >&2
 .venv/bin/python -m harness.python_base_image prepare
 echo "[test] lint and types" >&2
-.venv/bin/ruff check consumers events drivers devtools tests
-.venv/bin/mypy consumers events drivers
+.venv/bin/ruff check resilience consumers events drivers devtools tests
+.venv/bin/mypy resilience consumers events drivers
 .venv/bin/mypy devtools/sandbox_lanes_bench  # the bench (dev tools): strict too, its own root
 .venv/bin/lint-imports  # the layer contracts in pyproject.toml [tool.importlinter]
 echo "[test] pytest" >&2

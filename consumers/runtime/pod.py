@@ -33,7 +33,7 @@ from consumers.runtime.backpressure import FetchThrottle
 from consumers.runtime.config_log import record_lane_config_soon
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
-from consumers.runtime.episode import Episode
+from resilience.episode import Episode
 from consumers.runtime.kafka.clients import (
     RebalanceHooks,
     group_consumer_for,
