@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from aiokafka.errors import (
+    InvalidTimestampError,
     MessageSizeTooLargeError,
     OutOfOrderSequenceNumber,
     ProducerFenced,
@@ -38,6 +39,7 @@ def test_every_fence_code_is_producer_fenced(code: int) -> None:
         (KafkaError._INVALID_ARG, RecordRefused, True),
         (KafkaError._BAD_MSG, RecordRefused, True),
         (KafkaError.TOPIC_AUTHORIZATION_FAILED, TopicAuthorizationFailedError, False),
+        (KafkaError.INVALID_TIMESTAMP, InvalidTimestampError, False),
         (KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, OutOfOrderSequenceNumber, False),
         (KafkaError._MSG_TIMED_OUT, TransactionError, False),
         (KafkaError._TRANSPORT, TransactionError, False),
@@ -64,3 +66,17 @@ def test_a_fatal_producer_stands_down_as_fenced() -> None:
     error = _raised(KafkaError._FATAL)
     assert isinstance(error, FatalProducer) and isinstance(error, ProducerFenced)
     assert not is_deterministic(error)
+
+
+def test_a_refused_timestamp_is_the_pods_clock_not_the_records() -> None:
+    """The pod sets no timestamp on what it produces (the clients stamp it with the pod's clock), so
+    a broker refusing the timestamp (``message.timestamp.*.max.ms``) speaks of a drifting pod clock:
+    dead-lettering would throw valid inputs away; it is waited out (the world's) instead, from either
+    client, also when a client wraps it."""
+    assert not is_deterministic(InvalidTimestampError("timestamp out of range"))
+    try:
+        raise TransactionError("commit failed") from InvalidTimestampError("timestamp out of range")
+    except TransactionError as wrapped:
+        assert not is_deterministic(wrapped)
+    # The neighbours of the line that was removed are still record faults.
+    assert is_deterministic(MessageSizeTooLargeError("too large"))

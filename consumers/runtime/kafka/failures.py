@@ -30,7 +30,8 @@ _KAFKA_RECORD_REFUSALS: Final = (
     kafka_errors.MessageSizeTooLargeError,
     kafka_errors.RecordTooLargeError,
     kafka_errors.RecordListTooLargeError,
-    kafka_errors.InvalidTimestampError,
+    # Not InvalidTimestampError: the pod sets no timestamp (librdkafka and aiokafka stamp its records
+    # with the pod's clock), so a refused timestamp is a drifting pod clock, the world's to wait out.
     kafka_errors.CorruptRecordException,
     RecordRefused,
 )
