@@ -121,15 +121,22 @@ class Tracing:
         self._propagator.inject(carrier, context=self._trace.set_span_in_context(span))
         return carrier.get(TRACEPARENT, "")
 
-    def _linked(self, traceparent: str) -> tuple[Context | None, list[Any]]:
-        """The context a ``traceparent`` names (as a parent) and a link to it; none when absent."""
+    def _linked(
+        self, traceparent: str, carrier: Mapping[str, str] | None = None
+    ) -> tuple[Context | None, list[Any]]:
+        """The context a ``traceparent`` names (as a parent) and a link to it; none when absent or
+        malformed (``carrier``: the whole header set, with a ``tracestate``). A trace header is the
+        producer's hint, never a reason to fail a record: whatever cannot be read starts a fresh trace."""
         if not traceparent:
             return None, []
-        ctx = self._extract({TRACEPARENT: traceparent})
-        span_context = self._trace.get_current_span(ctx).get_span_context()
-        if not span_context.is_valid:
+        try:
+            ctx = self._extract(carrier if carrier is not None else {TRACEPARENT: traceparent})
+            span_context = self._trace.get_current_span(ctx).get_span_context()
+            if not span_context.is_valid:
+                return None, []
+            return ctx, [self._trace.Link(span_context)]
+        except Exception:  # a propagator's surprise on odd input: the trace starts fresh
             return None, []
-        return ctx, [self._trace.Link(span_context)]
 
     @contextlib.contextmanager
     def under(self, traceparent: str) -> Iterator[None]:
@@ -156,10 +163,8 @@ class Tracing:
     @contextlib.contextmanager
     def input(self, rec: ConsumerRecord[bytes, bytes]) -> Iterator[Span]:
         """The ``process <topic>`` span of one input record, current while it is decided."""
-        headers = {k: v.decode("utf-8", "replace") for k, v in rec.headers or () if k in _TRACE_HEADERS}
-        parent, links = self._linked(headers.get(TRACEPARENT, ""))
-        if parent is not None and TRACESTATE in headers:
-            parent = self._extract(headers)
+        headers = trace_headers(rec.headers)
+        parent, links = self._linked(headers.get(TRACEPARENT, ""), headers)
         attributes: dict[str, Any] = {
             "messaging.system": "kafka",
             "messaging.operation.type": "process",
@@ -314,6 +319,16 @@ class Tracing:
 
 
 _TRACE_HEADERS = frozenset({TRACEPARENT, TRACESTATE})
+
+
+def trace_headers(headers: Sequence[tuple[str, bytes | None]] | None) -> dict[str, str]:
+    """A record's ``traceparent`` and ``tracestate`` as text; a header with a null value (Kafka
+    allows one) or one that is not bytes is left out, as if absent. The last of repeated headers wins."""
+    found: dict[str, str] = {}
+    for key, value in headers or ():
+        if key in _TRACE_HEADERS and isinstance(value, (bytes, bytearray, memoryview)):
+            found[key] = bytes(value).decode("utf-8", "replace")
+    return found
 
 
 def decision_traceparent(state: state_pb2.ExecutionState | None, effect_id: str) -> str:
