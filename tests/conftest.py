@@ -16,6 +16,7 @@ pytest_plugins = [
     "tests.support.fixtures.dockerd",
     "tests.support.fixtures.kube",
     "tests.support.fixtures.agent_sandbox",
+    "tests.support.fixtures.toxiproxy",
 ]
 
 

@@ -884,6 +884,10 @@ class ClusterNode(KafkaBroker):
         self.cluster = cluster
         self.index = index
         self.node_id = index + 1
+        #: With ``KafkaCluster(proxied=True)``: the PROXIED listener's own port, and the port it
+        #: advertises (a fault proxy's, between clients and this listener). 0 otherwise.
+        self.proxied_port = 0
+        self.proxy_port = 0
 
     def _properties(self) -> str:
         return self.cluster._node_properties(self)
@@ -926,6 +930,12 @@ class KafkaCluster:
     ``min.insync.replicas`` one less, for broker-fault tests: :meth:`kill` (SIGKILL), :meth:`stop_node`
     (SIGTERM) and :meth:`start_node` a node by index, :meth:`wait_isr_full`, and the group and transaction
     coordinators by id (:meth:`group_coordinator`, :meth:`transaction_coordinator`).
+
+    With ``proxied=True`` each node also has a ``PROXIED`` listener (``ClusterNode.proxied_port``)
+    that advertises another loopback port (``ClusterNode.proxy_port``), where a fault proxy
+    (``harness.toxiproxy``) forwards to it: a client bootstrapped on :attr:`proxied_bootstrap` then
+    reaches every broker through its proxy, while the inter-broker and controller listeners (and
+    :attr:`bootstrap`) stay direct, so the cluster stays healthy while the proxied links are faulted.
     """
 
     def __init__(
@@ -935,12 +945,14 @@ class KafkaCluster:
         keep: bool = False,
         startup_timeout: float = 120.0,
         internal_partitions: int = 12,
+        proxied: bool = False,
     ) -> None:
         if nodes < 1:
             raise KafkaBrokerError("a cluster needs at least one node")
         self.keep = keep
         self.startup_timeout = startup_timeout
         self.internal_partitions = internal_partitions
+        self.proxied = proxied
         self.replication = min(nodes, 3)
         self.min_isr = max(1, self.replication - 1)
         self.work_dir: Path | None = None
@@ -954,6 +966,14 @@ class KafkaCluster:
         """Every node's listener: a client reaches the cluster whichever node is down."""
         return ",".join(node.bootstrap for node in self.nodes)
 
+    @property
+    def proxied_bootstrap(self) -> str:
+        """Every node's proxy address (``proxied=True`` only): whatever a client asks, it goes
+        through the proxies, because each node advertises its proxy on that listener."""
+        if not self.proxied:
+            raise KafkaBrokerError("the cluster was not started with proxied=True")
+        return ",".join(f"127.0.0.1:{node.proxy_port}" for node in self.nodes)
+
     def index_of(self, node_id: int) -> int:
         for node in self.nodes:
             if node.node_id == node_id:
@@ -966,15 +986,22 @@ class KafkaCluster:
     def _node_properties(self, node: ClusterNode) -> str:
         work = node._work()
         voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes)
+        listeners = f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}"
+        advertised = f"PLAINTEXT://127.0.0.1:{node.port}"
+        protocols = "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+        if self.proxied:
+            listeners += f",PROXIED://127.0.0.1:{node.proxied_port}"
+            advertised += f",PROXIED://127.0.0.1:{node.proxy_port}"
+            protocols += ",PROXIED:PLAINTEXT"
         props = {
             "process.roles": "broker,controller",
             "node.id": str(node.node_id),
             "controller.quorum.voters": voters,
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",
-            "listeners": f"PLAINTEXT://127.0.0.1:{node.port},CONTROLLER://127.0.0.1:{node.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.port}",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "listeners": listeners,
+            "advertised.listeners": advertised,
+            "listener.security.protocol.map": protocols,
             "log.dirs": str(work / "data"),
             "num.partitions": "1",
             "default.replication.factor": str(self.replication),
@@ -1012,6 +1039,8 @@ class KafkaCluster:
                 node.work_dir = self.work_dir / f"node-{node.node_id}"
                 node.work_dir.mkdir()
                 node.port, node.controller_port = _free_port(), _free_port()
+                if self.proxied:
+                    node.proxied_port, node.proxy_port = _free_port(), _free_port()
             cluster_id = _cluster_id()
             formats = []
             for node in self.nodes:
