@@ -20,7 +20,18 @@ from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescript
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 from google.protobuf.message import Message
 
+from events import schema_registry
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
+from events.wire_formats import (
+    JSON_CONTENT_TYPES,
+    STRUCTURED_CONTENT_TYPE,
+    Framing,
+    WireFormatError,
+    is_framed,
+    media_type,
+    read_framing,
+    read_structured,
+)
 
 SCHEMA_VERSION: Final = 1
 CE_SPECVERSION: Final = "1.0"
@@ -298,8 +309,21 @@ def decode(
     skips the fields it does not know) and end a live execution's session.
     """
     ce_type = header(headers, "ce_type")
+    content_type = media_type(header(headers, "content-type"))
+    if content_type == STRUCTURED_CONTENT_TYPE:
+        try:
+            structured = read_structured(value)
+        except WireFormatError as exc:
+            raise DecodeError(str(exc)) from None
+        ce_type, value, content_type = (
+            structured.ce_type,
+            structured.data,
+            media_type(structured.data_content_type),
+        )
     if ce_type is None or ce_type == "":
-        raise DecodeError("missing ce_type header")
+        if topic_carries is None:
+            raise DecodeError("missing ce_type header")
+        ce_type = topic_carries  # the topic says the type (a producer writing its protobuf class as is)
     cls = allowed.get(ce_type)
     if cls is None:
         raise DecodeError(f"unknown event type '{ce_type}'")
@@ -311,16 +335,89 @@ def decode(
     if len(value) > limit:
         raise DecodeError(f"payload of {len(value)} bytes exceeds the {limit}-byte limit")
     message = cls()
-    try:
-        message.ParseFromString(value)
-    except (ProtobufDecodeError, RuntimeError, ValueError) as exc:
-        raise DecodeError(f"payload does not decode as {ce_type}: {exc}") from exc
+    if content_type in JSON_CONTENT_TYPES:
+        _parse_json(message, value, ce_type)
+    else:
+        if is_framed(value):
+            value = value[_check_framing(value, cls).payload_offset :]
+        try:
+            message.ParseFromString(value)
+        except (ProtobufDecodeError, RuntimeError, ValueError) as exc:
+            raise DecodeError(f"payload does not decode as {ce_type}: {exc}") from exc
     descriptor: Descriptor = message.DESCRIPTOR  # type: ignore[assignment]  # upb's Descriptor is the same API
     _check_enums(message, descriptor)
     _check_timestamps(message, descriptor)
     if ce_type in INPUT_TYPES:
         _validate_input(message, key, record_time_ms, max_ahead_s)
     return message
+
+
+def _parse_json(message: Message, value: bytes, ce_type: str) -> None:
+    """The canonical protobuf JSON mapping (``toJson``, ``JsonFormat``, ``json_format``); fields this
+    pod does not know are skipped, as the binary form skips them."""
+    from google.protobuf import json_format
+
+    try:
+        json_format.Parse(value, message, ignore_unknown_fields=True)
+    except (json_format.ParseError, UnicodeDecodeError, RecursionError, ValueError) as exc:
+        raise DecodeError(f"payload does not decode as {ce_type} (protobuf JSON): {exc}") from None
+
+
+def file_index(cls: type[Message]) -> tuple[int, ...]:
+    """The message-index path of a message in this project's ``.proto`` file that declares it."""
+    descriptor = cls.DESCRIPTOR
+    names = list(descriptor.file.message_types_by_name)
+    return (names.index(descriptor.name),)
+
+
+def _check_framing(value: bytes, cls: type[Message]) -> Framing:
+    """Read a Schema Registry framing and check it names ``cls``: by the registry's schema when one is
+    configured, else by the path's place in this project's ``.proto`` file."""
+    try:
+        framing = read_framing(value)
+    except WireFormatError as exc:
+        raise DecodeError(str(exc)) from None
+    expected = cls.DESCRIPTOR.full_name
+    registry = schema_registry.ACTIVE
+    if registry is None:
+        if framing.indexes != file_index(cls):
+            raise DecodeError(
+                f"Schema Registry framing ({framing.describe()}) names another message than "
+                f"'{TYPE_PREFIX + cls.DESCRIPTOR.name}' in {cls.DESCRIPTOR.file.name}: "
+                f"on a topic that carries '{TYPE_PREFIX + cls.DESCRIPTOR.name}' only"
+            )
+        return framing
+    known = registry.cached(framing.schema_id)
+    if known is None:
+        registry.want(framing.schema_id)
+        raise schema_registry.SchemaNotResolved(framing.schema_id)
+    try:
+        name = known.message_name(framing.indexes)
+    except ValueError as exc:
+        raise DecodeError(str(exc)) from None
+    if name != expected:
+        raise DecodeError(
+            f"Schema Registry schema id {framing.schema_id} message index {list(framing.indexes)} is "
+            f"'{name}': on a topic that carries '{expected}' only"
+        )
+    return framing
+
+
+def wire_format(value: bytes | None, headers: Iterable[tuple[str, bytes]] | None) -> str:
+    """How a record was written, in words (``explain``, ``tail``): the style and a framing's schema id."""
+    content_type = media_type(header(headers, "content-type"))
+    ce = "CloudEvents binary" if header(headers, "ce_type") else "no CloudEvents headers"
+    if content_type == STRUCTURED_CONTENT_TYPE:
+        return "CloudEvents structured"
+    if content_type in JSON_CONTENT_TYPES:
+        return f"protobuf JSON, {ce}"
+    if is_framed(value):
+        assert value is not None
+        try:
+            return f"Schema Registry framing ({read_framing(value).describe()}), {ce}"
+        except WireFormatError as exc:
+            return f"Schema Registry framing, corrupt: {exc}"
+    return f"protobuf, {ce}"
 
 
 _TIMESTAMP_TYPE: Final = timestamp_pb2.Timestamp.DESCRIPTOR.full_name

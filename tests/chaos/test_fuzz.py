@@ -60,7 +60,9 @@ REASONS: dict[str, tuple[str, ...]] = {
     "unknown-kind": ("unknown enum value 99 for field kind",),
     "missing-kind": ("missing kind",),
     "missing-event-id": ("missing meta.event_id",),
-    "missing-ce-type": ("missing ce_type header",),
+    # A topic says the type (issue 43): a record without ce_type is read as its topic's type, so only
+    # one that also lacks its event id is refused.
+    "missing-ce-type": ("missing meta.event_id",),
     "unknown-ce-type": ("unknown event type 'sandbox_lanes.v1.Nonsense'",),
     "tombstone": ("empty payload (tombstone)",),
     "future-schema": ("unsupported schema_version 9",),
@@ -216,7 +218,9 @@ def build_stream(env: dict[str, str], run: str) -> tuple[list[Rec], list[Rec], l
             created.meta.event_id = ""
             made = rec(created)
         elif kind == "missing-ce-type":
-            made = with_header(good, "ce_type", None)
+            created = _created(eid)
+            created.meta.event_id = ""
+            made = with_header(rec(created), "ce_type", None)
         elif kind == "unknown-ce-type":
             made = with_header(good, "ce_type", b"sandbox_lanes.v1.Nonsense")
         elif kind == "tombstone":

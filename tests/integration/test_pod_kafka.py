@@ -239,7 +239,12 @@ async def test_bad_input_goes_to_the_dead_letter_topic_with_its_reason_and_the_p
         await produce_raw(
             kafka_bootstrap, topics.execution_created, good.value + b"\x10\x63", b"wfx_ok", headers
         )
-        await produce_raw(kafka_bootstrap, topics.execution_created, good.value, b"wfx_ok", without_type)
+        # Without ce_type the topic says the type (issue 43): refused only for its missing event id.
+        no_id = wf_created("wfx_ok", event_id="")
+        no_id.meta.event_id = ""
+        await produce_raw(
+            kafka_bootstrap, topics.execution_created, no_id.SerializeToString(), b"wfx_ok", without_type
+        )
         await produce(
             kafka_bootstrap,
             env,
@@ -259,7 +264,7 @@ async def test_bad_input_goes_to_the_dead_letter_topic_with_its_reason_and_the_p
         "unknown event type 'sandbox_lanes.v1.Mystery'",
         "missing record key",
         "unknown enum value 99 for field kind",
-        "missing ce_type header",
+        "missing meta.event_id",
         "phase-changed for unknown execution 'wfx_never'",
     ]
     for reason, want in zip(sorted(reasons), sorted(expected), strict=True):
