@@ -64,25 +64,41 @@ _PER_SANDBOX_PLAIN: Final = frozenset({"STIGMER_TASK_QUEUE"})
 WARM_POD_LABEL: Final = "stigmer.ai/warm"
 #: Sent to a waiting warm runner (PID 1 of its container) once its assignment file is in place.
 WAKE_SIGNAL: Final = "WINCH"
-#: Waits with shell builtins only until the assignment arrives, so an idle pool costs little; exits on
-#: TERM; exports the file (the task queue and the secrets). A file without the queue (written by an
-#: older driver) falls back to the queue annotation, whose downward-API file lags the claim by up to
-#: about a second: the queue in the file is what lets the runner start as soon as its secrets land.
-WARM_RUNNER_SCRIPT: Final = (
-    # PID 1 ignores a signal it does not trap: without this a pool pod waits out its whole grace.
-    "trap 'exit 0' TERM INT; "
-    # WAKE_SIGNAL ends a wait at once (the writer sends it after the file is in place); its default
-    # action is to ignore it, so one that lands after the exec below leaves the runner alone.
-    f"trap : {WAKE_SIGNAL}; "
-    f"a={ASSIGNMENT_FILE}; p={PODINFO_DIR}/annotations; "
-    'until [ -s "$a" ]; do sleep 0.05 & s=$!; wait $s; kill $s 2>/dev/null; wait $s 2>/dev/null; done; '
-    'set -a; . "$a"; set +a; '
-    'if [ -z "${STIGMER_TASK_QUEUE:-}" ]; then q=; while :; do '
-    f'q=$(sed -n \'s/^stigmer\\.ai\\/task-queue="\\(.*\\)"$/\\1/p\' "$p" 2>/dev/null); '
-    '[ -n "$q" ] && break; sleep 0.05; done; '
-    'export STIGMER_TASK_QUEUE="$q"; fi; '
-    f"exec {' '.join(runner_command())}"
-)
+#: How often a waiting warm runner looks for its file unwoken (a backstop: the writer's wake starts it).
+WAIT_POLL_S: Final = 0.05
+
+
+def warm_runner_script(poll_s: float = WAIT_POLL_S) -> str:
+    """The warm pod's command: wait with shell builtins only until the assignment arrives (an idle pool
+    costs little), exit on TERM, export the file (the task queue and the secrets), exec the runner.
+
+    The wait cannot lose its wake-up. The wake (the ``WAKE_SIGNAL`` trap, which kills the sleep being
+    waited on) is armed before the file is first looked at, and each look comes after that round's
+    sleep is started and its pid is known: a signal that lands after a look ends the very sleep the
+    runner then waits on, and one that lands before a look finds the file there (the writer signals
+    after the file is in place). A file without the queue (written by an older driver) falls back to
+    the queue annotation, whose downward-API file lags the claim by up to about a second."""
+    return (
+        # PID 1 ignores a signal it does not trap: without this a pool pod waits out its whole grace.
+        "trap 'exit 0' TERM INT; "
+        # The wake, armed first. Its default action is to ignore it, so one that lands after the exec
+        # below leaves the runner alone. KILL, not TERM: a child just forked, not yet the sleep, still
+        # has the shell's TERM trap and would swallow a TERM (then sleep its whole round).
+        f"s=; trap '[ -n \"$s\" ] && kill -9 $s 2>/dev/null' {WAKE_SIGNAL}; "
+        f"a={ASSIGNMENT_FILE}; p={PODINFO_DIR}/annotations; "
+        f'until sleep {poll_s:g} & s=$!; [ -s "$a" ]; do '
+        "wait $s 2>/dev/null; kill -9 $s 2>/dev/null; wait $s 2>/dev/null; done; "  # (a woken wait: reaped)
+        "kill -9 $s 2>/dev/null; wait $s 2>/dev/null; s=; "
+        'set -a; . "$a"; set +a; '
+        'if [ -z "${STIGMER_TASK_QUEUE:-}" ]; then q=; while :; do '
+        f'q=$(sed -n \'s/^stigmer\\.ai\\/task-queue="\\(.*\\)"$/\\1/p\' "$p" 2>/dev/null); '
+        '[ -n "$q" ] && break; sleep 0.05; done; '
+        'export STIGMER_TASK_QUEUE="$q"; fi; '
+        f"exec {' '.join(runner_command())}"
+    )
+
+
+WARM_RUNNER_SCRIPT: Final = warm_runner_script()
 
 
 def warm_pod_template(config: DriverConfig) -> dict[str, Any]:

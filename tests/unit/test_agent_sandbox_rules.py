@@ -401,9 +401,15 @@ def test_session_activity_is_busy_while_any_execution_runs_and_idle_since_the_la
     assert StoreSessionActivity(_Pod(states, partition=7)).activity("ses_a") is None  # type: ignore[arg-type]
 
 
-def _warm_script_in(tmp_path: Any) -> tuple[str, Any, Any]:
-    """The warm runner script with its paths moved under ``tmp_path`` and a runner that prints its queue."""
-    from drivers.agent_sandbox.warm import ASSIGNMENT_FILE, PODINFO_DIR, WARM_RUNNER_SCRIPT
+def _warm_script_in(tmp_path: Any, poll_s: float | None = None) -> tuple[str, Any, Any]:
+    """The warm runner script (``poll_s``: its unwoken poll) with its paths moved under ``tmp_path`` and a
+    runner that prints its queue."""
+    from drivers.agent_sandbox.warm import (
+        ASSIGNMENT_FILE,
+        PODINFO_DIR,
+        WARM_RUNNER_SCRIPT,
+        warm_runner_script,
+    )
     from drivers.runner.launch import runner_command
 
     (tmp_path / "podinfo").mkdir()
@@ -413,7 +419,8 @@ def _warm_script_in(tmp_path: Any) -> tuple[str, Any, Any]:
     )
     runner.chmod(0o755)
     script = (
-        WARM_RUNNER_SCRIPT.replace(ASSIGNMENT_FILE, str(tmp_path / "assignment.env"))
+        (WARM_RUNNER_SCRIPT if poll_s is None else warm_runner_script(poll_s))
+        .replace(ASSIGNMENT_FILE, str(tmp_path / "assignment.env"))
         .replace(PODINFO_DIR, str(tmp_path / "podinfo"))
         .replace(" ".join(runner_command()), str(runner))
     )
@@ -451,15 +458,32 @@ def test_a_warm_runner_given_a_file_without_its_queue_waits_for_the_annotation(t
 
 
 def test_a_waiting_warm_runner_is_woken_by_the_writer_of_its_file_not_by_its_poll(tmp_path: Any) -> None:
+    """The lost wake-up, forced: the runner has looked for its file (not there) and is held before it
+    sleeps; only then does the writer put the file in place and send its wake. A runner whose wake is
+    armed late, or whose wait can miss a signal that came between its look and its sleep, sleeps out its
+    60 s poll and the 10 s deadline below fails; one that cannot miss it starts at once."""
+    import os
     import subprocess
 
     from drivers.agent_sandbox.warm import assignment_command, assignment_file
 
-    script, assignment, _ = _warm_script_in(tmp_path)
-    assert "sleep 0.05 &" in script
-    script = script.replace("sleep 0.05 &", "sleep 60 &")  # a poll that would not find the file in time
-    runner = subprocess.Popen(["/bin/busybox", "sh", "-c", script], stdout=subprocess.PIPE, text=True)
+    script, assignment, _ = _warm_script_in(tmp_path, poll_s=60)  # a poll that would not find it in time
+    look = '[ -s "$a" ]'
+    assert script.count(look) == 1
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)
+    # After a look that found nothing: say so, then wait (a child process: a signal that lands meanwhile
+    # is handled when it ends, as one between the look and the sleep would be) until the test lets go.
+    held = f'{{ {look} || {{ echo looked >&2; head -n 1 "{gate}" >/dev/null; false; }}; }}'
+    runner = subprocess.Popen(
+        ["/bin/busybox", "sh", "-c", script.replace(look, held)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
+        assert runner.stderr is not None
+        assert runner.stderr.readline() == "looked\n"  # the fact: it has looked and is not asleep yet
         data = assignment_file(CONFIG, SandboxEnvironment("wfexec:wfx_w", "tok.wake"))
         # the writer's command as the driver sends it, its file and wake aimed at this runner's pid
         command = [
@@ -468,8 +492,13 @@ def test_a_waiting_warm_runner_is_woken_by_the_writer_of_its_file_not_by_its_pol
             )
             for part in assignment_command(len(data))
         ]
-        subprocess.run(["/bin/busybox", "sh", *command[1:]], input=data, check=True, timeout=10)
+        subprocess.run(
+            ["/bin/busybox", "sh", *command[1:]], input=data.decode(), check=True, timeout=10, text=True
+        )
+        with open(gate, "w") as release:  # the file is there and the wake was sent: let it go to sleep
+            release.write("go\n")
         out, _ = runner.communicate(timeout=10)  # well before the 60 s poll: woken
     finally:
         runner.kill()
+        runner.wait()
     assert out == "queue=wfexec:wfx_w token=tok.wake"
