@@ -115,6 +115,12 @@ class PodMetrics:
         self.restored_keys = Counter(
             "sandbox_lanes_state_restored_keys", "Keys restored from the state topic", registry=r
         )
+        self.state_rebuilds = Counter(
+            "sandbox_lanes_state_rebuilds",
+            "Partitions whose local state was thrown away and rebuilt from the state topic, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.reaped = Counter(
             "sandbox_lanes_reaped_sandboxes", "Sandboxes removed by the reaper", ["driver"], registry=r
         )

@@ -8,14 +8,25 @@ The restore and the checkpoints against the topic are tested on the real broker
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiokafka import ConsumerRecord
 
 from consumers.runtime.state.changelog import Bounds
-from consumers.runtime.state.interface import STATE_FORMAT_VERSION, StateStore
+from consumers.runtime.state.interface import (
+    REBUILD_REASONS,
+    STATE_FORMAT_VERSION,
+    StateStore,
+    StateStoreFault,
+)
+from consumers.runtime.state.local_faults import guarded, mark
 from consumers.runtime.state.memory import MemoryStore
 from consumers.runtime.state.rocksdb import RocksDBStore, proven
 from consumers.runtime.state.store import open_store
@@ -204,8 +215,9 @@ def test_rocksdb_folds_a_tail_with_a_key_written_again_in_one_batch(tmp_path: Pa
 def test_rocksdb_checkpoint_moves_with_commits_whose_offsets_chain(tmp_path: Path) -> None:
     """A commit's state records at known, contiguous offsets starting at the checkpoint (or one past
     it: the previous commit's marker) move the checkpoint past them in the same write batch; a gap
-    (another writer, an aborted transaction) or unknown offsets leave it for the proof by reading,
-    after which the commits that chain from there move it again."""
+    (another writer, an aborted transaction) or unknown offsets leave it for the proof by reading
+    (driven against the real topic in tests/integration/test_state_checkpoints.py), and what was
+    applied stays whatever the checkpoint does."""
     store = _rocksdb(tmp_path, 0.0)
     try:
         part = store._parts[0]
@@ -227,24 +239,197 @@ def test_rocksdb_checkpoint_moves_with_commits_whose_offsets_chain(tmp_path: Pat
         store.apply(0, {"c": state("c", 1)}, (16, 16))  # offset 15 is not ours
         assert at() == 14 and part.pending == {"c": [state("c", 1).SerializeToString()]}
         store.apply(0, {"a": state("a", 3)}, (18, 18))  # chains, but something before it is unproven
-        assert at() == 14 and set(part.pending) == {"a", "c"}
-        # The proof by reading moved it to 18 (the last stable offset while the second one was open),
-        # past the tail's "c": the rest chains from there.
-        del part.pending["c"]
-        part.pending_n -= 1
-        store._record_checkpoint(part, 0, 18)
-        assert store._chain(part, 0) == 19 and at() == 19 and not part.pending
-        store.apply(0, {"b": state("b", 2)}, (20, 21))
-        assert at() == 22
-        store.apply(0, {"b": state("b", 3)}, None)  # offsets not told: only a read may prove it
-        store.apply(0, {"b": state("b", 4)}, (25, 25))
-        assert at() == 22 and part.unknown
-        store._record_checkpoint(part, 0, 24)
-        assert store._chain(part, 0) == 24  # (25, 25) would chain, but what was unknown may be after 24
+        assert at() == 14 and set(part.pending) == {"a", "c"} and part.unproven == [(16, 16), (18, 18)]
+        store.apply(0, {"b": state("b", 2)}, None)  # offsets not told: only a read may prove it
+        assert at() == 14 and part.unknown
         store.close()
         reopened = _rocksdb(tmp_path, 0.0)
-        assert reopened.checkpoint_of(0) == _checkpoint(offset=24, topicId=None, retentionSeconds=0.0)
-        assert reopened.get(0, "b") == state("b", 4) and len(reopened) == 3
+        found = reopened.checkpoint_of(0)
+        assert found is not None and isinstance(found.pop("asOfMs"), int)
+        assert found == _checkpoint(offset=14, topicId=None, retentionSeconds=0.0, marker=True)
+        assert reopened.get(0, "a") == state("a", 3) and reopened.get(0, "b") == state("b", 2)
+        assert len(reopened) == 3
         reopened.close()
     finally:
         store.close()
+
+
+# --- the local state is disposable (issue 42) ---------------------------------------------------
+
+
+class _FailingWrites:
+    """A database whose writes fail as a full disk fails them (RocksDB's own message); reads pass
+    through. A fake beneath the real full filesystem of tests/integration/test_state_disk_faults.py."""
+
+    def __init__(self, db: Any) -> None:
+        self.db = db
+
+    def write(self, batch: object) -> None:
+        raise Exception("IO error: No space left on device: While appending to file: 000012.log")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.db, name)
+
+
+def test_a_failed_write_moves_no_count_checkpoint_or_proof(tmp_path: Path) -> None:
+    store = _rocksdb(tmp_path, 0.0)
+    try:
+        part = store._parts[0]
+        store._record_checkpoint(part, 0, 10)
+        done = _state("a", phase=common_pb2.EXECUTION_COMPLETED, at=1)
+        real, part.db = part.db, _FailingWrites(part.db)
+        for at in [(10, 11), (16, 16), None]:  # would chain; would wait for the proof; unknown
+            with pytest.raises(StateStoreFault) as raised:
+                store.apply(0, {"a": done, "b": None}, at)
+            assert (raised.value.partition, raised.value.reason) == (0, "disk_full")
+            assert isinstance(raised.value, Exception) and "No space left" in str(raised.value)
+            found = store.checkpoint_of(0)
+            assert found is not None and found["offset"] == 10 and part.offset == 10
+            assert not part.marker and part.count == 0 and len(store) == 0
+            assert part.pending == {} and part.pending_n == 0 and part.unproven == [] and not part.unknown
+            assert store.get(0, "a") is None
+        part.db = real  # the disk has room again: the same commit applies and moves it
+        store.apply(0, {"a": done, "b": None}, (10, 11))
+        found = store.checkpoint_of(0)
+        assert found is not None and found["offset"] == 12 and len(store) == 1
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("error", "writing", "reason"),
+    [
+        (Exception("Corruption: block checksum mismatch: stored = 1, computed = 2"), False, "corrupt"),
+        (Exception("Corruption: CURRENT file corrupted"), True, "corrupt"),
+        (Exception("IO error: No space left on device: While appending to file"), True, "disk_full"),
+        (Exception("IO error: While open a file for appending: x/000012.log: Permission denied"), True,
+         "unwritable"),
+        (Exception("IO error: While mkdir if missing: x: Read-only file system"), True, "unwritable"),
+        (FileExistsError(17, "File exists"), True, "not_a_directory"),
+        (NotADirectoryError(20, "Not a directory"), True, "not_a_directory"),
+        (PermissionError(13, "Permission denied"), True, "unwritable"),
+        (OSError(28, "No space left on device"), True, "disk_full"),
+        (Exception("IO error: Input/output error"), True, "write_failed"),
+        (Exception("IO error: Input/output error"), False, "read_failed"),
+    ],
+)
+def test_database_and_disk_errors_become_faults_with_a_bounded_reason(
+    error: Exception, writing: bool, reason: str
+) -> None:
+    with pytest.raises(StateStoreFault) as raised, guarded(3, writing=writing):
+        raise error
+    assert (raised.value.partition, raised.value.reason) == (3, reason) and reason in REBUILD_REASONS
+    assert raised.value.__cause__ is error
+
+
+def test_a_bug_is_not_a_database_fault() -> None:
+    with pytest.raises(KeyError), guarded(0, writing=True):
+        raise KeyError("a bug")
+    assert StateStoreFault(0, "no such reason").reason == "other"
+
+
+def _seeded(tmp_path: Path, *, n: int = 3000, flushed: bool = True) -> Path:
+    """A partition's database as a pod leaves it: ``n`` states, a checkpoint at offset 40, flushed to
+    SST files (as after a restart: the recovery flushes the WAL), the marker beside it."""
+    store = _rocksdb(tmp_path, 0.0)
+    part = store._parts[0]
+    for i in range(0, n, 500):
+        store.apply(0, {f"e{j:05d}": _state(f"e{j:05d}", phase=1, at=j) for j in range(i, min(n, i + 500))})
+    store._record_checkpoint(part, 0, 40, marker=True)
+    mark(part.path, "state", 0)
+    if flushed:
+        part.db.flush()
+    store.close()
+    return tmp_path / "state" / "0"
+
+
+def _prepared(tmp_path: Path, bounds: Bounds, now_ms: int | None = None) -> tuple[int, bool, dict[int, str]]:
+    """Open partition 0 as a restore does: (where its read starts, resumed, rebuilt reasons)."""
+    store = RocksDBStore("state", 0.0, directory=tmp_path)
+    store._delete_retention_ms = 86_400_000
+    rebuilt: dict[int, str] = {}
+    part, start, resumed = store._prepare(0, bounds, "read_committed", now_ms or int(time.time() * 1000), rebuilt)
+    held = part.count
+    part.close()
+    assert (held == 0) == (not resumed)  # a fresh database when it starts over
+    return start, resumed, rebuilt
+
+
+def test_a_healthy_database_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    _seeded(tmp_path)
+    assert _prepared(tmp_path, Bounds(0, 45)) == (40, True, {})
+
+
+def _scribble(path: Path, at: float, size: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(int(path.stat().st_size * at))
+        f.write(b"\xa5" * size)
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        ("current", "corrupt"),
+        ("manifest_half", "corrupt"),
+        ("file", "not_a_directory"),
+        ("stale", "stale_checkpoint"),
+    ],
+)
+def test_a_damaged_database_or_stale_checkpoint_is_thrown_away_and_read_from_the_beginning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, fault: str, reason: str
+) -> None:
+    db = _seeded(tmp_path)
+    now_ms = int(time.time() * 1000)
+    if fault == "current":
+        (db / "CURRENT").write_text("MANIFEST-999999-garbage\n")
+    elif fault == "manifest_half":
+        (manifest,) = db.glob("MANIFEST-*")
+        os.truncate(manifest, manifest.stat().st_size // 2)
+    elif fault == "file":
+        shutil.rmtree(db)
+        db.write_text("not a database")
+    else:  # read a day and a bit later, with records written past the checkpoint meanwhile
+        now_ms += 86_400_000 + 1
+    with caplog.at_level(logging.WARNING, logger="sandbox_lanes.state"):
+        assert _prepared(tmp_path, Bounds(0, 45), now_ms) == (0, False, {0: reason})
+    told = [r for r in caplog.records if r.getMessage().startswith("local state thrown away")]
+    assert [(r.partition, r.reason) for r in told] == [(0, reason)]  # type: ignore[attr-defined]
+
+
+def test_an_old_checkpoint_with_nothing_past_it_is_not_stale(tmp_path: Path) -> None:
+    _seeded(tmp_path)
+    a_week_on = int(time.time() * 1000) + 7 * 86_400_000
+    assert _prepared(tmp_path, Bounds(0, 41), a_week_on) == (40, True, {})  # 40: our commit marker
+    assert _prepared(tmp_path, Bounds(0, 42), a_week_on) == (0, False, {0: "stale_checkpoint"})
+
+
+def test_a_scribbled_sst_fails_its_reads_as_a_fault(tmp_path: Path) -> None:
+    db = _seeded(tmp_path, n=20_000)
+    ssts = list(db.glob("*.sst"))
+    assert ssts  # the premise: the states are in SST files
+    for sst in ssts:
+        _scribble(sst, 0.5, 512)
+    store = RocksDBStore("state", 0.0, directory=tmp_path)
+    store.adopt([0])  # it opens: RocksDB reads only the files' ends
+    try:
+        with pytest.raises(StateStoreFault) as raised:
+            sum(1 for _ in store.partition_items(0))  # an iterator that stops early says why
+        assert raised.value.reason == "corrupt" and "checksum" in str(raised.value)
+        with pytest.raises(StateStoreFault):
+            for i in range(20_000):
+                store.get(0, f"e{i:05d}")
+    finally:
+        store.close()
+
+
+def test_discard_throws_the_partition_away(make, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    store = make()
+    store.apply(0, {"a": _state("a", phase=common_pb2.EXECUTION_IN_PROGRESS, at=1)})
+    store.apply(1, {"b": _state("b", phase=common_pb2.EXECUTION_IN_PROGRESS, at=1)})
+    store.discard({0}, "write_failed")
+    assert 0 not in store.owned() and 1 in store.owned()
+    assert store.get(0, "a") is None and len(store) == 1
+    if isinstance(store, RocksDBStore):
+        assert not (tmp_path / "state" / "0").exists() and (tmp_path / "state" / "1").is_dir()
+        store.adopt([0])  # a database opened again there is a new, empty one
+        assert store.get(0, "a") is None and store.checkpoint_of(0) is None

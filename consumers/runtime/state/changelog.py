@@ -30,26 +30,56 @@ class Bounds:
     end: int
 
 
-async def topic_id(
+#: Kafka's default ``delete.retention.ms`` (a day): assumed when the topic's own cannot be read.
+DEFAULT_DELETE_RETENTION_MS = 86_400_000
+
+
+@dataclass(frozen=True)
+class TopicFacts:
+    """What a checkpoint is checked against: the topic's id (None: the broker did not tell) and how
+    long its tombstones stay readable (``delete.retention.ms``; a checkpoint older than that may
+    have missed a delete compacted away since)."""
+
+    topic_id: str | None
+    delete_retention_ms: int
+
+
+async def topic_facts(
     bootstrap: str, topic: str, *, security: KafkaSecurity = PLAINTEXT, timeout_s: float = 10.0
-) -> str | None:
-    """The topic's id (a recreated topic has a new one), or None when the broker does not tell."""
+) -> TopicFacts:
+    """The topic's id and ``delete.retention.ms``; what cannot be read is logged (a warning) and
+    taken as unknown (the id: the offsets' bounds still guard) or Kafka's default (the retention:
+    the pod's ACLs may not grant DescribeConfigs)."""
+    from confluent_kafka import TopicCollection
+    from confluent_kafka.admin import AdminClient, ConfigResource, ResourceType
+
+    admin = AdminClient({"bootstrap.servers": bootstrap, **security.librdkafka_options()})
 
     def describe() -> str | None:
-        from confluent_kafka import TopicCollection
-        from confluent_kafka.admin import AdminClient
-
-        admin = AdminClient({"bootstrap.servers": bootstrap, **security.librdkafka_options()})
         futures = admin.describe_topics(TopicCollection([topic]), request_timeout=timeout_s)
-        described = futures[topic].result(timeout=timeout_s)
-        found = getattr(described, "topic_id", None)
+        found = getattr(futures[topic].result(timeout=timeout_s), "topic_id", None)
         return None if found is None else str(found)
 
+    def retention() -> int:
+        resource = ConfigResource(ResourceType.TOPIC, topic)
+        futures = admin.describe_configs([resource], request_timeout=timeout_s)
+        entries = futures[resource].result(timeout=timeout_s)
+        return int(entries["delete.retention.ms"].value)
+
+    found_id: str | None = None
     try:
-        return await asyncio.wait_for(asyncio.to_thread(describe), timeout_s + 1)
-    except Exception as exc:  # an older broker, an ACL: the offsets' bounds still guard
+        found_id = await asyncio.wait_for(asyncio.to_thread(describe), timeout_s + 1)
+    except Exception as exc:  # an older broker, an ACL
         logger.warning("state topic id unknown", extra={"topic": topic, "error": repr(exc)})
-        return None
+    try:
+        delete_retention_ms = await asyncio.wait_for(asyncio.to_thread(retention), timeout_s + 1)
+    except Exception as exc:
+        delete_retention_ms = DEFAULT_DELETE_RETENTION_MS
+        logger.warning(
+            "state topic's delete.retention.ms unknown: Kafka's default assumed",
+            extra={"topic": topic, "error": repr(exc), "deleteRetentionMs": delete_retention_ms},
+        )
+    return TopicFacts(found_id, delete_retention_ms)
 
 
 class ChangelogReader:

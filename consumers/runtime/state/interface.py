@@ -10,7 +10,7 @@ compacted state topic is the truth: a store is a cache of it that can always be 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
@@ -23,6 +23,33 @@ STATE_FORMAT_VERSION = 1
 CHECKPOINT_INTERVAL_S = 5.0
 
 
+#: Why a partition's local database was thrown away and the partition rebuilt from the topic (the
+#: label values of ``sandbox_lanes_state_rebuilds_total{reason}``; anything else counts as ``other``).
+REBUILD_REASONS = (
+    "corrupt",  # RocksDB reports corruption (CURRENT, MANIFEST, an SST), or its data went missing
+    "not_a_directory",  # the partition's path is a regular file
+    "unwritable",  # permission denied, a read-only filesystem
+    "disk_full",  # no space left on the device
+    "write_failed",  # another error writing (an I/O error)
+    "read_failed",  # another error reading
+    "stale_checkpoint",  # older than the topic's delete.retention.ms: tombstones may be gone
+    "other",
+)
+
+
+class StateStoreFault(Exception):
+    """The local database of ``partition`` cannot be read or written (``reason``: one of
+    :data:`REBUILD_REASONS`). Nothing of the failed operation took effect in the store; the cure is
+    :meth:`StateStore.discard` and a restore from the topic (the truth)."""
+
+    def __init__(self, partition: int, reason: str, detail: str = "") -> None:
+        told = f"state store of partition {partition}: {reason}"
+        super().__init__(f"{told}: {detail}" if detail else told)
+        self.partition = partition
+        self.reason = reason if reason in REBUILD_REASONS else "other"
+        self.detail = detail
+
+
 @dataclass
 class RestoreReport:
     partitions: int
@@ -32,6 +59,9 @@ class RestoreReport:
     #: Partitions that resumed from a checkpoint (read only the tail), and those restored in full.
     from_checkpoint: int = 0
     full: int = 0
+    #: Partitions whose local database was thrown away (damaged, stale or discarded) and rebuilt
+    #: from the topic, with the reason (one of :data:`REBUILD_REASONS`).
+    rebuilt: dict[int, str] = field(default_factory=dict)
 
 
 class HeldStates(Protocol):
@@ -75,6 +105,11 @@ class StateStore(HeldStates, Protocol):
 
     def drop(self, partitions: Iterable[int]) -> None:
         """Forget partitions (a disk store closes them and keeps its files for a later take-over)."""
+
+    def discard(self, partitions: Iterable[int], reason: str) -> None:
+        """Throw the partitions' local state away (a disk store deletes their databases), logged
+        once with ``reason``: they are no longer held, and the next :meth:`restore` rebuilds them
+        from the beginning of the topic and reports them in :attr:`RestoreReport.rebuilt`."""
 
     def partition_items(self, partition: int) -> Iterator[tuple[str, state_pb2.ExecutionState]]: ...
 

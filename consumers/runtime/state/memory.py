@@ -19,7 +19,7 @@ from consumers.lanes.retention import removable_from
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.kafka.topic_reader import read_to_end
 from consumers.runtime.kafka.unparsable import is_placeholder
-from consumers.runtime.state.interface import RestoreReport
+from consumers.runtime.state.interface import REBUILD_REASONS, RestoreReport
 from events.codec import decode_state
 from events.sandbox_lanes.v1 import state_pb2
 
@@ -43,6 +43,8 @@ class MemoryStore:
         self._removable: dict[int, dict[str, float]] = {}
         #: (when, partition, key), a min-heap over ``_removable``; stale entries are skipped.
         self._heap: list[tuple[float, int, str]] = []
+        #: Partitions thrown away by :meth:`discard`, with why: the next restore reports them rebuilt.
+        self._discarded: dict[int, str] = {}
 
     def get(self, partition: int, key: str) -> state_pb2.ExecutionState | None:
         raw = self._partitions.get(partition, {}).get(key)
@@ -114,6 +116,20 @@ class MemoryStore:
         for p in partitions:
             self._partitions.pop(p, None)
             self._removable.pop(p, None)
+
+    def discard(self, partitions: Iterable[int], reason: str) -> None:
+        """Throw the partitions' states away (nothing of them is on disk): the next restore rebuilds
+        them from the topic and reports them rebuilt."""
+        gone = sorted(set(partitions))
+        if not gone:
+            return
+        self.drop(gone)
+        reason = reason if reason in REBUILD_REASONS else "other"
+        self._discarded.update(dict.fromkeys(gone, reason))
+        logger.warning(
+            "local state thrown away: the partitions are rebuilt from the state topic",
+            extra={"partitions": ",".join(map(str, gone)), "reason": reason},
+        )
 
     def items(self) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
         for part in self._partitions.values():
@@ -187,6 +203,7 @@ class MemoryStore:
             sum(len(v) for v in fresh.values()),
             time.monotonic() - started,
             full=len(wanted),
+            rebuilt={p: self._discarded.pop(p) for p in wanted if p in self._discarded},
         )
         logger.info(
             "state restored",

@@ -9,7 +9,7 @@ from consumers.lanes.outbox import pending_of
 from consumers.runtime.effects import EffectRunner
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod_config import PodConfig, PodStats
-from consumers.runtime.state.interface import StateStore
+from consumers.runtime.state.interface import StateStore, StateStoreFault
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
@@ -27,13 +27,44 @@ async def restore_and_resume(
     """Rebuild the state of the owned ``partitions`` not yet held, then re-run their pending calls.
 
     The effects of a restored partition are driver calls decided before (by this pod or the
-    previous owner) and never folded back: they run again, idempotent by name and id. A partition
-    released (or released and taken again) while its state was read is dropped: that read is not
-    its current epoch's.
+    previous owner) and never folded back: they run again, idempotent by name and id; one already
+    queued or running in the partition's current epoch is not submitted twice (the runner knows its
+    effect id), so a partition the pod still owns whose store was :meth:`~StateStore.discard`\\ ed
+    is restored by this call too without running a call twice. A partition released (or released
+    and taken again) while its state was read is dropped: that read is not its current epoch's.
+
+    A database found damaged while the outbox is read (a block that fails its checksum) is thrown
+    away and the partition rebuilt from the topic, once; a second fault raises.
     """
     missing = (partitions & owned()) - store.owned()
     if not missing:
         return
+    missing = await _restore(missing, owned, config, store, effects, stats, metrics)
+    resumed = 0
+    for partition in sorted(missing):
+        try:
+            resumed += _resume(partition, store, effects)
+        except StateStoreFault as fault:
+            store.discard({partition}, fault.reason)
+            if await _restore({partition}, owned, config, store, effects, stats, metrics):
+                resumed += _resume(partition, store, effects)
+    if resumed:
+        logger.info(
+            "outbox resumed: driver calls decided before and not completed run again",
+            extra={"partitions": ",".join(map(str, sorted(missing))), "calls": resumed},
+        )
+
+
+async def _restore(
+    missing: set[int],
+    owned: Callable[[], set[int]],
+    config: PodConfig,
+    store: StateStore,
+    effects: EffectRunner,
+    stats: PodStats,
+    metrics: PodMetrics,
+) -> set[int]:
+    """Restore ``missing``; the partitions still owned in the same epoch (the others dropped)."""
     epochs = {p: effects.epoch(p) for p in missing}
     report = await store.restore(
         config.bootstrap,
@@ -45,19 +76,20 @@ async def restore_and_resume(
     stats.restore_seconds += report.seconds
     metrics.restored_keys.inc(report.keys)
     metrics.restore_seconds.set(report.seconds)
+    for reason in report.rebuilt.values():
+        metrics.state_rebuilds.labels(reason).inc()
     now_owned = owned()
     stale = {p for p in missing if p not in now_owned or effects.epoch(p) != epochs[p]}
     if stale:
         store.drop(stale)
-        missing -= stale
     metrics.state_keys.set(len(store))
+    return missing - stale
+
+
+def _resume(partition: int, store: StateStore, effects: EffectRunner) -> int:
+    """Submit the partition's pending driver calls again; how many were not already out."""
     resumed = 0
-    for partition in missing:
-        for key, state in store.partition_items(partition):
-            for effect_id, command in pending_of(state):
-                resumed += effects.submit(partition, key, effect_id, command)
-    if resumed:
-        logger.info(
-            "outbox resumed: driver calls decided before and not completed run again",
-            extra={"partitions": ",".join(map(str, sorted(missing))), "calls": resumed},
-        )
+    for key, state in store.partition_items(partition):
+        for effect_id, command in pending_of(state):
+            resumed += effects.submit(partition, key, effect_id, command)
+    return resumed

@@ -1,4 +1,4 @@
-"""The disk store: one RocksDB database (through ``rocksdict``) per owned partition, with a checkpoint.
+r"""The disk store: one RocksDB database (through ``rocksdict``) per owned partition, with a checkpoint.
 
 ``SANDBOX_LANES_STATE_STORE=rocksdb``. Each partition's database lives in
 ``<state dir>/<topic>/<partition>`` and keeps, under one-letter prefixes:
@@ -32,6 +32,17 @@ ones this store applied:
 A take-over reads from the checkpoint to the end; the records of the pod's own committed writes
 read again there are applied again, which is idempotent. A crash between a commit and its apply
 leaves the states and the checkpoint both as they were (one write batch): the tail is read again.
+
+The local database is disposable (issue 42). :meth:`RocksDBStore.restore` opens and checks each
+partition's database on its own: one that cannot be opened, read or written (a corrupt ``CURRENT``,
+``MANIFEST`` or SST, a regular file where its directory should be, an unwritable or full disk), one
+that lost its data (:mod:`.local_faults`' marker), and a checkpoint older than the topic's
+``delete.retention.ms`` (a tombstone past it may have been compacted away) are thrown away and the
+partition rebuilt from the beginning of the topic, logged once with the reason; the healthy ones
+resume from their checkpoints. Once running, a read or write the database fails raises
+:class:`~consumers.runtime.state.interface.StateStoreFault` and changes nothing (an :meth:`apply`
+moves no count, checkpoint or proof unless its write batch was written); the pod then
+:meth:`~RocksDBStore.discard`\ s the partition and restores it.
 """
 
 from __future__ import annotations
@@ -52,8 +63,19 @@ from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch, Writ
 from consumers.lanes.retention import removable_from
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.kafka.unparsable import is_placeholder
-from consumers.runtime.state.changelog import Bounds, ChangelogReader, topic_id
-from consumers.runtime.state.interface import STATE_FORMAT_VERSION, RestoreReport
+from consumers.runtime.state.changelog import (
+    DEFAULT_DELETE_RETENTION_MS,
+    Bounds,
+    ChangelogReader,
+    topic_facts,
+)
+from consumers.runtime.state.interface import (
+    REBUILD_REASONS,
+    STATE_FORMAT_VERSION,
+    RestoreReport,
+    StateStoreFault,
+)
+from consumers.runtime.state.local_faults import guarded, mark, marked
 from events.codec import decode_state
 from events.sandbox_lanes.v1 import state_pb2
 
@@ -67,6 +89,10 @@ _COUNT = b"m:count"
 #: Writes applied since the checkpoint kept per partition to prove the next one; past this many the
 #: partition's checkpoint stays where it is until its next restore (its tail then reads longer).
 _PENDING_LIMIT = 200_000
+#: How much older than its ``asOfMs`` a record past a checkpoint may be: a transaction open when the
+#: checkpoint was taken (its records past the last stable offset) lasts at most this long (Kafka's
+#: default ``transaction.max.timeout.ms``). A checkpoint is stale past ``delete.retention.ms`` less it.
+_TRANSACTION_SLACK_MS = 15 * 60 * 1000
 
 
 def _ms(at: float) -> bytes:
@@ -112,6 +138,10 @@ class _Partition:
         #: may chain from there.
         self.unproven: list[tuple[int, int]] = []
         self.unknown = False
+        #: No due-time index entry is earlier than this (8 bytes, as ``_ms``; b"": not known yet):
+        #: where :meth:`RocksDBStore.due` seeks. Entries of states already removed lie before it, and
+        #: a seek walks every deleted entry on its way until a compaction drops them.
+        self.due_floor = b""
 
     def checkpoint(self) -> dict[str, Any] | None:
         raw = self.db.get(_CHECKPOINT)
@@ -141,12 +171,18 @@ class RocksDBStore:
         self._topic_id: str | None = None
         self._memtables = WriteBufferManager(MEMTABLES_BYTES, False)
         self._cache = Cache(BLOCK_CACHE_BYTES)
+        self._delete_retention_ms = DEFAULT_DELETE_RETENTION_MS
+        #: Partitions thrown away by :meth:`discard`, with why: the next restore reports them rebuilt.
+        self._discarded: dict[int, str] = {}
 
     # --- reads -------------------------------------------------------------------------------
 
     def get(self, partition: int, key: str) -> state_pb2.ExecutionState | None:
         part = self._parts.get(partition)
-        raw = None if part is None else part.db.get(_STATE + key.encode())
+        if part is None:
+            return None
+        with guarded(partition, writing=False):
+            raw = part.db.get(_STATE + key.encode())
         return None if raw is None else decode_state(raw)
 
     def owned(self) -> set[int]:
@@ -159,8 +195,9 @@ class RocksDBStore:
         part = self._parts.get(partition)
         if part is None:
             return
-        for key, raw in _prefixed(part.db, _STATE):
-            yield key.decode("utf-8", errors="replace"), decode_state(raw)
+        with guarded(partition, writing=False):
+            for key, raw in _prefixed(part.db, _STATE):
+                yield key.decode("utf-8", errors="replace"), decode_state(raw)
 
     def items(self) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
         for partition in list(self._parts):
@@ -173,11 +210,15 @@ class RocksDBStore:
         bound = _ms(now)
         n = 0
         for partition, part in self._parts.items():
-            for index_key, _ in _prefixed(part.db, _DUE):
-                if n >= limit or index_key[:8] > bound:
-                    break
-                found.setdefault(partition, []).append(index_key[8:].decode("utf-8", errors="replace"))
-                n += 1
+            with guarded(partition, writing=False):
+                floor = bound  # no entry at or past the floor: none before the bound either
+                for index_key, _ in _prefixed(part.db, _DUE, part.due_floor):
+                    floor = min(floor, index_key[:8])
+                    if n >= limit or index_key[:8] > bound:
+                        break
+                    found.setdefault(partition, []).append(index_key[8:].decode("utf-8", errors="replace"))
+                    n += 1
+                part.due_floor = floor
         return found
 
     # --- writes ------------------------------------------------------------------------------
@@ -197,7 +238,11 @@ class RocksDBStore:
         """A committed transaction's writes, in one write batch. ``at``: the offsets (first, last)
         of its state records in the topic, contiguous, when the producer told them; when they
         start where the checkpoint is (or one past: our previous commit's marker), the checkpoint
-        moves past them in the same batch. Otherwise they wait for :meth:`checkpoint`'s proof."""
+        moves past them in the same batch. Otherwise they wait for :meth:`checkpoint`'s proof.
+
+        Nothing moves (count, checkpoint, the writes kept for the proof) unless the batch was
+        written: a read or the write that fails raises :class:`StateStoreFault`, the store as before.
+        """
         part = self._parts.get(partition)
         if part is None:
             return
@@ -210,26 +255,36 @@ class RocksDBStore:
             and part.offset is not None
             and at[0] == part.offset + part.marker
         )
-        for key, state in writes.items():
-            raw = None if state is None else state.SerializeToString()
-            self._write(part, batch, key.encode(), raw, state, now)
-            if part.provable and not chained:
+        count = part.count
+        kept: list[tuple[str, bytes | None]] = []
+        with guarded(partition, writing=False):
+            for key, state in writes.items():
+                raw = None if state is None else state.SerializeToString()
+                count += self._write(part, batch, key.encode(), raw, state, now)
+                kept.append((key, raw))
+        batch.put(_COUNT, str(count).encode())
+        moved = at[1] + 1 if chained and at is not None else None
+        if moved is not None:
+            batch.put(_CHECKPOINT, self._checkpoint_body(partition, moved, marker=True))
+        with guarded(partition, writing=True):
+            part.db.write(batch)
+        # Written: only now does the bookkeeping follow it.
+        part.count = count
+        if moved is not None:
+            part.offset, part.marker = moved, True
+        elif part.provable:
+            for key, raw in kept:
                 part.pending.setdefault(key, []).append(raw)
                 part.pending_n += 1
-        if writes and not chained and part.provable:
-            if at is None:
-                part.unknown = True
-            else:
-                part.unproven.append(at)
+            if writes:
+                if at is None:
+                    part.unknown = True
+                else:
+                    part.unproven.append(at)
         if part.pending_n > _PENDING_LIMIT:
             part.provable = False
             part.pending.clear()
             part.unproven.clear()
-        batch.put(_COUNT, str(part.count).encode())
-        if chained and at is not None:
-            batch.put(_CHECKPOINT, self._checkpoint_body(partition, at[1] + 1))
-            part.offset, part.marker = at[1] + 1, True
-        part.db.write(batch)
 
     def _write(
         self,
@@ -239,7 +294,8 @@ class RocksDBStore:
         raw: bytes | None,
         state: state_pb2.ExecutionState | None,
         seen_at: float,
-    ) -> None:
+    ) -> int:
+        """Put one key's write into ``batch`` (reading its index entry); the change of the count."""
         db = part.db
         old_at = db.get(_REMOVABLE + key)
         if old_at is not None:
@@ -248,16 +304,16 @@ class RocksDBStore:
         if raw is None or state is None:
             batch.delete(_STATE + key)
             batch.delete(_REMOVABLE + key)
-            part.count -= existed
-            return
+            return -1 if existed else 0
         batch.put(_STATE + key, raw)
-        part.count += not existed
         at = removable_from(state, self.retention_s, seen_at)
         if at is None:
             batch.delete(_REMOVABLE + key)
         else:
             batch.put(_REMOVABLE + key, _ms(at))
             batch.put(_DUE + _ms(at) + key, b"")
+            part.due_floor = min(part.due_floor, _ms(at))
+        return 0 if existed else 1
 
     # --- partitions come and go --------------------------------------------------------------
 
@@ -266,7 +322,37 @@ class RocksDBStore:
         for p in partitions:
             part = self._parts.pop(p, None)
             if part is not None:
-                part.close()
+                _close_quietly(part)
+
+    def discard(self, partitions: Iterable[int], reason: str) -> None:
+        """Throw the partitions' databases away (closed, deleted), logged once with ``reason``:
+        they are no longer held, and the next :meth:`restore` rebuilds them from the beginning of
+        the topic (reporting them in :attr:`RestoreReport.rebuilt`)."""
+        rebuilt: dict[int, str] = {}
+        for p in sorted(set(partitions)):
+            part = self._parts.pop(p, None)
+            if part is not None:
+                _close_quietly(part)
+            self._throw_away(p, reason, rebuilt)
+        self._discarded.update(rebuilt)
+
+    def _throw_away(self, partition: int, reason: str, rebuilt: dict[int, str], detail: str = "") -> None:
+        """Delete a partition's database (closed), whatever is at its path; logged once, noted in
+        ``rebuilt``. What cannot be deleted makes the partition's next open fail, so it is not used."""
+        reason = reason if reason in REBUILD_REASONS else "other"
+        path = self._path(partition)
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+        except OSError as exc:
+            detail = f"{detail}; deleting it failed: {exc}" if detail else f"deleting it failed: {exc}"
+        rebuilt[partition] = reason
+        logger.warning(
+            "local state thrown away: the partition is rebuilt from the state topic",
+            extra={"partition": partition, "reason": reason, **({"error": detail} if detail else {})},
+        )
 
     def close(self) -> None:
         self.drop(list(self._parts))
@@ -287,7 +373,27 @@ class RocksDBStore:
         return self.directory / str(partition)
 
     def _open(self, partition: int) -> _Partition:
-        return _Partition(self._path(partition), _options(self._memtables, self._cache))
+        with guarded(partition, writing=True):
+            return _Partition(self._path(partition), _options(self._memtables, self._cache))
+
+    def _stale(self, found: dict[str, Any], bounds: Bounds, now_ms: int) -> str | None:
+        """Why a checkpoint is too old to resume from (None: it is not), finding 13: a tombstone
+        written past it may have been compacted away once ``delete.retention.ms`` has gone by, and
+        reading the tail would never see it. A partition with nothing past its checkpoint (its end
+        at the offset, or one past it: our own commit marker) misses nothing, however old."""
+        offset = int(found["offset"])
+        if bounds.end <= offset + bool(found.get("marker")):
+            return None
+        as_of = found.get("asOfMs")
+        if not isinstance(as_of, int):
+            return "the checkpoint's age is unknown (written by an older version)"
+        limit = max(0, self._delete_retention_ms - _TRANSACTION_SLACK_MS)
+        if now_ms - as_of < limit:
+            return None
+        return (
+            f"taken {(now_ms - as_of) / 1000:.0f} s ago, past the state topic's delete.retention.ms"
+            f" ({self._delete_retention_ms} ms) less {_TRANSACTION_SLACK_MS} ms"
+        )
 
     def _refused(
         self, found: dict[str, Any] | None, partition: int, bounds: Bounds, isolation: str
@@ -316,7 +422,11 @@ class RocksDBStore:
             return f"offset {offset} is before the topic's first offset {bounds.beginning}"
         return None
 
-    def _checkpoint_body(self, partition: int, offset: int) -> bytes:
+    def _checkpoint_body(
+        self, partition: int, offset: int, *, marker: bool = False, as_of: float | None = None
+    ) -> bytes:
+        """``marker``: the record at ``offset`` is our last commit's marker; ``as_of``: no record past
+        ``offset`` was written before this time (less an open transaction's life; now by default)."""
         body = {
             "format": STATE_FORMAT_VERSION,
             "topic": self.topic,
@@ -325,13 +435,22 @@ class RocksDBStore:
             "isolation": self._isolation,
             "retentionSeconds": self.retention_s,
             "offset": offset,
+            "marker": marker,
+            "asOfMs": int((time.time() if as_of is None else as_of) * 1000),
         }
         return json.dumps(body).encode()
 
     def _record_checkpoint(
-        self, part: _Partition, partition: int, offset: int, *, marker: bool = False
+        self,
+        part: _Partition,
+        partition: int,
+        offset: int,
+        *,
+        marker: bool = False,
+        as_of: float | None = None,
     ) -> None:
-        part.db.put(_CHECKPOINT, self._checkpoint_body(partition, offset))
+        with guarded(partition, writing=True):
+            part.db.put(_CHECKPOINT, self._checkpoint_body(partition, offset, marker=marker, as_of=as_of))
         part.offset, part.marker = offset, marker
 
     async def restore(
@@ -343,77 +462,162 @@ class RocksDBStore:
         timeout_s: float = 300.0,
         security: KafkaSecurity = PLAINTEXT,
     ) -> RestoreReport:
-        """Open the partitions' databases and read the topic from each checkpoint to the end.
+        """Open the partitions' databases, each checked on its own, and read the topic from each
+        checkpoint to the end.
 
         A checkpoint of another topic (by name or id), partition, isolation level, retention or
         format, or one past the topic's end or before its first offset, is refused: the database
-        is wiped and the partition read from the beginning.
+        is wiped and the partition read from the beginning. A database that cannot be opened, read
+        or written, one that lost its data, and a checkpoint older than the topic's
+        ``delete.retention.ms`` are thrown away (logged once, reported in ``rebuilt``) and the
+        partition read from the beginning, the others not held back. A partition that fails even
+        so (a full or unwritable disk) raises :class:`StateStoreFault` once the others are held.
         """
         wanted = sorted(set(partitions) - set(self._parts))
         started = time.monotonic()
         if not wanted:
             return RestoreReport(0, 0, 0, 0.0)
         self._bootstrap, self._isolation, self._security = bootstrap, isolation_level, security
-        self._topic_id = await topic_id(bootstrap, self.topic, security=security)
+        facts = await topic_facts(bootstrap, self.topic, security=security)
+        self._topic_id, self._delete_retention_ms = facts.topic_id, facts.delete_retention_ms
+        rebuilt = {p: self._discarded.pop(p) for p in wanted if p in self._discarded}
         opened: dict[int, _Partition] = {}
-        records = 0
-        resumed = 0
-        try:
-            async with ChangelogReader(
-                bootstrap, self.topic, wanted, isolation_level=isolation_level, security=security
-            ) as reader:
-                bounds = await reader.bounds()
-                starts: dict[int, int] = {}
-                for p in wanted:
-                    part = opened[p] = await asyncio.to_thread(self._open, p)
-                    found = part.checkpoint()
-                    why = self._refused(found, p, bounds[p], isolation_level)
-                    if why is None and found is not None:
-                        starts[p] = int(found["offset"])
-                        resumed += 1
-                        continue
-                    if found is not None or part.count:
-                        logger.warning(
-                            "state checkpoint refused: the partition is restored in full",
-                            extra={"partition": p, "reason": why},
-                        )
-                    part.close()
-                    await asyncio.to_thread(shutil.rmtree, part.path, True)
-                    opened[p] = await asyncio.to_thread(self._open, p)
-                    starts[p] = bounds[p].beginning
-                seen_at = time.time()
-                async for p, recs in reader.read(starts, timeout_s=timeout_s):
-                    records += len(recs)
-                    self._fold(opened[p], p, recs, seen_at)
-                    await asyncio.sleep(0)
-                ends = reader.ends()
-            for p, part in opened.items():
-                part.db.put(_COUNT, str(part.count).encode())
-                self._record_checkpoint(part, p, ends[p])
-        except BaseException:
-            for part in opened.values():
-                part.close()
-            raise
+        records = resumed = 0
+        todo = wanted
+        failed: dict[int, StateStoreFault] = {}
+        for _ in range(2):  # the partitions whose database failed while read are read again from empty
+            got, failed, n, from_checkpoint = await self._restore_round(
+                todo, isolation_level, timeout_s, security, rebuilt
+            )
+            opened.update(got)
+            records += n
+            resumed += from_checkpoint
+            for p, fault in failed.items():
+                self._throw_away(p, fault.reason, rebuilt, fault.detail)
+            todo = sorted(failed)
+            if not todo:
+                break
         self._parts.update(opened)
         report = RestoreReport(
-            len(wanted),
+            len(opened),
             records,
-            sum(opened[p].count for p in wanted),
+            sum(part.count for part in opened.values()),
             time.monotonic() - started,
             from_checkpoint=resumed,
-            full=len(wanted) - resumed,
+            full=len(opened) - resumed,
+            rebuilt={p: why for p, why in rebuilt.items() if p in opened},
         )
         logger.info(
             "state restored",
             extra={
-                "partitions": ",".join(map(str, wanted)),
+                "partitions": ",".join(map(str, sorted(opened))),
                 "records": report.records,
                 "keys": report.keys,
                 "fromCheckpoint": resumed,
+                "rebuilt": ",".join(f"{p}:{why}" for p, why in sorted(report.rebuilt.items())),
                 "seconds": round(report.seconds, 3),
             },
         )
+        if failed:
+            raise next(iter(failed.values()))
         return report
+
+    async def _restore_round(
+        self,
+        wanted: list[int],
+        isolation_level: str,
+        timeout_s: float,
+        security: KafkaSecurity,
+        rebuilt: dict[int, str],
+    ) -> tuple[dict[int, _Partition], dict[int, StateStoreFault], int, int]:
+        """One read of the topic for ``wanted``: (the partitions restored, those whose database
+        failed, records read, partitions resumed from a checkpoint)."""
+        opened: dict[int, _Partition] = {}
+        failed: dict[int, StateStoreFault] = {}
+        records = resumed = 0
+        try:
+            async with ChangelogReader(
+                self._bootstrap or "", self.topic, wanted, isolation_level=isolation_level, security=security
+            ) as reader:
+                as_of = time.time()  # before the ends are taken: every record past them is later
+                bounds = await reader.bounds()
+                starts: dict[int, int] = {}
+                for p in wanted:
+                    try:
+                        part, start, from_checkpoint = await asyncio.to_thread(
+                            self._prepare, p, bounds[p], isolation_level, int(as_of * 1000), rebuilt
+                        )
+                    except StateStoreFault as fault:
+                        failed[p] = fault
+                        continue
+                    opened[p], starts[p] = part, start
+                    resumed += from_checkpoint
+                seen_at = time.time()
+                async for p, recs in reader.read(starts, timeout_s=timeout_s):
+                    records += len(recs)
+                    target = opened.get(p)
+                    if target is None:
+                        continue  # failed meanwhile
+                    try:
+                        with guarded(p, writing=True):
+                            self._fold(target, p, recs, seen_at)
+                    except StateStoreFault as fault:
+                        failed[p] = fault
+                        _close_quietly(opened.pop(p))
+                    await asyncio.sleep(0)
+                ends = reader.ends()
+            for p, part in list(opened.items()):
+                try:
+                    with guarded(p, writing=True):
+                        part.db.put(_COUNT, str(part.count).encode())
+                        self._record_checkpoint(part, p, ends[p], as_of=as_of)
+                        mark(part.path, self.topic, p)
+                except StateStoreFault as fault:
+                    failed[p] = fault
+                    _close_quietly(opened.pop(p))
+        except BaseException:
+            for part in opened.values():
+                _close_quietly(part)
+            raise
+        return opened, failed, records, resumed
+
+    def _prepare(
+        self, partition: int, bounds: Bounds, isolation: str, now_ms: int, rebuilt: dict[int, str]
+    ) -> tuple[_Partition, int, bool]:
+        """Open a partition's database and choose where its read starts: (the database, the offset,
+        whether it resumes from its checkpoint). A damaged database or a stale checkpoint is thrown
+        away (noted in ``rebuilt``), a refused one wiped; then it starts empty, at the beginning."""
+        try:
+            part = self._open(partition)
+            try:
+                with guarded(partition, writing=False):
+                    found = part.checkpoint()
+                if found is None and marked(part.path):
+                    raise StateStoreFault(
+                        partition, "corrupt", "no checkpoint in a database that held one: its data is gone"
+                    )
+            except StateStoreFault:
+                _close_quietly(part)
+                raise
+        except StateStoreFault as fault:
+            self._throw_away(partition, fault.reason, rebuilt, fault.detail)
+            return self._open(partition), bounds.beginning, False
+        why = self._refused(found, partition, bounds, isolation)
+        if why is None and found is not None:
+            stale = self._stale(found, bounds, now_ms)
+            if stale is None:
+                return part, int(found["offset"]), True
+            _close_quietly(part)
+            self._throw_away(partition, "stale_checkpoint", rebuilt, stale)
+            return self._open(partition), bounds.beginning, False
+        if found is not None or part.count:
+            logger.warning(
+                "state checkpoint refused: the partition is restored in full",
+                extra={"partition": partition, "reason": why},
+            )
+        _close_quietly(part)
+        shutil.rmtree(part.path, ignore_errors=True)
+        return self._open(partition), bounds.beginning, False
 
     def _fold(self, part: _Partition, partition: int, recs: list[Any], seen_at: float) -> None:
         batch = WriteBatch(raw_mode=True)
@@ -432,7 +636,7 @@ class RocksDBStore:
                 batch = WriteBatch(raw_mode=True)
                 written.clear()
             if rec.value is None:
-                self._write(part, batch, key, None, None, seen_at)
+                part.count += self._write(part, batch, key, None, None, seen_at)
                 written[key] = None
                 continue
             try:
@@ -447,7 +651,7 @@ class RocksDBStore:
                     },
                 )
                 continue
-            self._write(part, batch, key, rec.value, state, seen_at)
+            part.count += self._write(part, batch, key, rec.value, state, seen_at)
             written[key] = rec.value
         part.db.write(batch)
 
@@ -470,7 +674,8 @@ class RocksDBStore:
         parts = {p: self._parts[p] for p in wanted}
         starts: dict[int, int] = {}
         for p, part in parts.items():
-            found = part.checkpoint()
+            with guarded(p, writing=False):
+                found = part.checkpoint()
             if found is None or not isinstance(found.get("offset"), int):
                 return {}
             starts[p] = int(found["offset"])
@@ -478,6 +683,7 @@ class RocksDBStore:
         async with ChangelogReader(
             self._bootstrap, self.topic, wanted, isolation_level=self._isolation, security=self._security
         ) as reader:
+            as_of = time.time()  # before the ends are taken: every record past them is later
             await reader.bounds()
             async for p, recs in reader.read(starts, timeout_s=60.0):
                 for rec in recs:
@@ -491,17 +697,17 @@ class RocksDBStore:
             matched = proven(last[p], part.pending)
             if matched is None:
                 continue
+            self._record_checkpoint(part, p, ends[p], as_of=as_of)  # written first: then the proof moves
             for key, at in matched.items():
                 applied = part.pending[key]
                 del applied[: at + 1]
                 part.pending_n -= at + 1
                 if not applied:
                     del part.pending[key]
-            self._record_checkpoint(part, p, ends[p])
-            moved[p] = self._chain(part, p)
+            moved[p] = self._chain(part, p, as_of)
         return moved
 
-    def _chain(self, part: _Partition, partition: int) -> int:
+    def _chain(self, part: _Partition, partition: int, as_of: float | None = None) -> int:
         """After a move by reading to ``part.offset``: if the transactions applied past it are all
         of known offsets chaining from there (each next one past the previous one's commit marker),
         the checkpoint moves past them too and the commits move it again. Its offset."""
@@ -521,7 +727,7 @@ class RocksDBStore:
                 return start
             expected = last + 2
         moved = later[-1][1] + 1
-        self._record_checkpoint(part, partition, moved, marker=True)
+        self._record_checkpoint(part, partition, moved, marker=True, as_of=as_of)
         part.pending.clear()
         part.pending_n = 0
         part.unproven = []
@@ -542,16 +748,26 @@ def proven(
     return matched
 
 
-def _prefixed(db: Rdict, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-    """The entries whose key starts with ``prefix``, the prefix cut off, in key order."""
+def _close_quietly(part: _Partition) -> None:
+    """Close a database that may be damaged: its close failing changes nothing."""
+    try:
+        part.close()
+    except Exception as exc:
+        logger.debug("closing a state database failed", extra={"path": str(part.path), "error": repr(exc)})
+
+
+def _prefixed(db: Rdict, prefix: bytes, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+    """The entries whose key starts with ``prefix``, the prefix cut off, in key order (from
+    ``prefix + start``)."""
     it = db.iter()
     try:
-        it.seek(prefix)
+        it.seek(prefix + start)
         while it.valid():
             key = it.key()
             if not key.startswith(prefix):
                 break
             yield key[len(prefix) :], it.value()
             it.next()
+        it.status()  # an iterator that stopped on a damaged block says so only here
     finally:
         del it
