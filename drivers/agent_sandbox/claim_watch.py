@@ -9,8 +9,9 @@ reads its claim from the watch's copy and sleeps until that copy changes.
 The copy can lag the API server: a claim just created may not be in it yet, so an absent claim
 means "not seen yet", never "gone", and every wait ends after ``fallback_s`` at most, when the
 delivery reads the claim from the API server itself (as it did before the watch; also what it does
-while the watch is down). A watch that fails is listed and watched again after a pause; it is
-never a reason for a delivery to fail.
+while the watch is down). A watch that fails is listed and watched again after a pause (the one
+bounded backoff, :class:`resilience.episode.Episode`: logged once per outage, with its end, however
+long it lasts); it is never a reason for a delivery to fail.
 """
 
 from __future__ import annotations
@@ -19,16 +20,21 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 from drivers.agent_sandbox.warm import CLAIMS, EXT_GROUP, EXT_VERSION
+from resilience.episode import Episode
 
 #: A watch request's server-side timeout (it is then opened again from the last version seen).
 WATCH_TIMEOUT_S: Final = 60
-#: Pause after a failed list or watch before the next try, doubled per failure up to the most.
+#: Pause after a failed list or watch before the next try, doubled per failure in a row up to the most.
 RETRY_S: Final = 1.0
 RETRY_MAX_S: Final = 30.0
+#: A watch request that ends sooner than this having brought nothing counts as a failure (a server
+#: that closes every watch at once would otherwise be asked again and again without a pause).
+MIN_WATCH_S: Final = 1.0
 
 
 class Change:
@@ -53,8 +59,16 @@ class ClaimWatch:
     """The claims of one installation in one namespace, as the watch last saw them."""
 
     def __init__(
-        self, make_custom_api: Callable[[], Any], namespace: str, selector: str, logger: logging.Logger
+        self,
+        make_custom_api: Callable[[], Any],
+        namespace: str,
+        selector: str,
+        logger: logging.Logger,
+        *,
+        pause: Callable[[float], object] | None = None,
     ) -> None:
+        """``pause(seconds)`` waits before the next try after a failure (default: until ``stop``, at most
+        that long; a test passes its own to run a long outage at once)."""
         self._make_custom_api = make_custom_api
         self._namespace = namespace
         self._selector = selector
@@ -66,7 +80,14 @@ class ClaimWatch:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watch: Any = None
-        self._failures = 0  # in a row: the pause grows; the first is logged, and the recovery
+        self._pause = pause if pause is not None else self._stop.wait
+        #: Failures in a row and the pause before the next try; logs the outage once, and its end.
+        self.retry = Episode(
+            "agent-sandbox claim watch (deliveries read their claims meanwhile)",
+            logger,
+            first_delay_s=RETRY_S,
+            max_delay_s=RETRY_MAX_S,
+        )
 
     def start(self) -> None:
         """Start watching (once; from the event loop the deliveries run on)."""
@@ -128,6 +149,7 @@ class ClaimWatch:
         new_watch: Any = watch.Watch  # untyped in the client
         version = ""
         while not self._stop.is_set():
+            seen = 0  # the events this watch request brought
             try:
                 if not version:
                     listed = custom.list_namespaced_custom_object(
@@ -136,12 +158,8 @@ class ClaimWatch:
                     self._claims = {str(item["metadata"]["name"]): item for item in listed.get("items") or []}
                     version = str((listed.get("metadata") or {}).get("resourceVersion") or "")
                     self._synced = True
-                    if self._failures:
-                        self._logger.info(
-                            "agent-sandbox claim watch recovered", extra={"failures": self._failures}
-                        )
-                        self._failures = 0
                     self._notify(None)
+                began = time.monotonic()
                 self._watch = stream = new_watch()
                 for event in stream.stream(
                     custom.list_namespaced_custom_object,
@@ -161,6 +179,9 @@ class ClaimWatch:
                     if kind == "ERROR":  # 410 Gone and the like: list again
                         version = ""
                         break
+                    seen += 1
+                    if seen == 1:
+                        self.retry.recovered()  # listed and watching: the backoff starts over
                     meta = obj.get("metadata") or {}
                     version = str(meta.get("resourceVersion") or version)
                     if kind == "BOOKMARK":
@@ -171,8 +192,14 @@ class ClaimWatch:
                     else:
                         self._claims[name] = obj
                     self._notify([name])
+                if self._stop.is_set():
+                    break
+                if not seen and time.monotonic() - began < MIN_WATCH_S:
+                    self._failed(ConnectionError("the watch ended at once, having brought nothing"))
+                else:
+                    self.retry.recovered()  # a watch that ran its course: an outage's end is logged
             except ApiException as exc:
-                if exc.status == 410 and not self._stop.is_set():  # the version is too old: list again
+                if exc.status == 410 and seen and not self._stop.is_set():  # too old: list again
                     version = ""
                     continue
                 self._failed(exc)
@@ -183,14 +210,12 @@ class ClaimWatch:
         self._synced = False
 
     def _failed(self, exc: Exception) -> None:
+        """Count the failure (an outage is logged once), send the waiters to read their claims
+        themselves, and pause before the next try (bounded, however many failures in a row)."""
         if self._stop.is_set():
             return
-        self._synced = False
-        self._failures += 1
-        if self._failures == 1:
-            self._logger.warning(
-                "agent-sandbox claim watch failed; deliveries read their claims meanwhile",
-                extra={"error": f"{type(exc).__name__}: {exc}"[:500]},
-            )
-        self._notify(None)
-        self._stop.wait(min(RETRY_S * 2 ** (self._failures - 1), RETRY_MAX_S))
+        was_synced, self._synced = self._synced, False
+        delay = self.retry.failed(exc)
+        if was_synced:
+            self._notify(None)
+        self._pause(delay)
