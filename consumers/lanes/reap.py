@@ -80,6 +80,32 @@ def _session_record(state: state_pb2.ExecutionState, session_id: str) -> state_p
     return None
 
 
+def sessions_referenced(state: state_pb2.ExecutionState) -> set[str]:
+    """The session ids a state references: its session, and the session sandboxes it records."""
+    referenced = {state.session_id} if state.session_id else set()
+    referenced |= {
+        s.sandbox.sandbox_id for s in state.sandboxes if s.sandbox.scope == common_pb2.SANDBOX_SCOPE_SESSION
+    }
+    return referenced
+
+
+def needs_references(session_id: str, own: state_pb2.ExecutionState | None, *, states_expire: bool) -> bool:
+    """Whether :func:`plan_reap`'s verdict on a session sandbox depends on the states that reference
+    the session (beyond ``own``, the session-keyed state). False: the verdict is the same whatever
+    references it, so a caller need not look for them (with expiring states, a session not deleted
+    is kept either way). The reaper looks through a partition only for the sessions where it is True.
+    """
+    return _session_deleted(own, session_id) or not states_expire
+
+
+def _session_deleted(own: state_pb2.ExecutionState | None, session_id: str) -> bool:
+    return (
+        own is not None
+        and (record := _session_record(own, session_id)) is not None
+        and record.lifecycle in _ENDED_LIFECYCLES
+    )
+
+
 def plan_reap(
     managed: Iterable[ManagedSandbox],
     states: Mapping[str, state_pb2.ExecutionState],
@@ -98,13 +124,7 @@ def plan_reap(
     # Session id → the states that reference it (agent executions, and the session-keyed teardown state).
     by_session: dict[str, list[state_pb2.ExecutionState]] = {}
     for state in states.values():
-        referenced = {state.session_id} if state.session_id else set()
-        referenced |= {
-            s.sandbox.sandbox_id
-            for s in state.sandboxes
-            if s.sandbox.scope == common_pb2.SANDBOX_SCOPE_SESSION
-        }
-        for session_id in referenced:
+        for session_id in sessions_referenced(state):
             by_session.setdefault(session_id, []).append(state)
     plans: list[ReapPlan] = []
     for sandbox in managed:
@@ -167,12 +187,7 @@ def _plan_session(
     states_expire: bool,
 ) -> ReapPlan:
     sid = sandbox.sandbox_id
-    deleted = (
-        own is not None
-        and (record := _session_record(own, sid)) is not None
-        and (record.lifecycle in _ENDED_LIFECYCLES)
-    )
-    if deleted:
+    if _session_deleted(own, sid):
         assert own is not None
         deleted_at = _stamp(own)
         # An agent execution that provisioned the session sandbox after the delete keeps it.

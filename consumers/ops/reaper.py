@@ -8,6 +8,10 @@ what ``list_managed()`` returns is ever considered, and drivers list by the
 ``stigmer.ai/managed-by`` and ``stigmer.ai/installation`` labels: a runtime object without them (or of
 another installation) is never touched.
 
+Inside a pod a pass reads only the states its plan depends on, a bounded slice per turn of the event
+loop (:mod:`consumers.ops.reaper_states`): a point lookup per listed sandbox, and a deleted session's
+partition looked through for what references it; never every held state at once.
+
 Inside a pod each removal takes the sandbox's turn in the effect runner's per-sandbox order
 (``order``: :meth:`~consumers.runtime.effects.EffectRunner.exclusive`), and judges the sandbox again
 there, from the pod's states as they are then: a take-over or a new execution that ensured it after
@@ -29,6 +33,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from consumers.lanes.commands import LaneConfig
 from consumers.lanes.reap import ReapPlan, plan_reap, reaped_event
+from consumers.ops.reaper_states import ReadCounts, ReapStates, StoreStates, states_for
 from consumers.ops.settings import Settings
 from consumers.runtime.executor import error_message
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
@@ -41,7 +46,6 @@ from events.sandbox_lanes.v1 import state_pb2
 
 if TYPE_CHECKING:
     from consumers.ops.compose import Composed
-    from consumers.runtime.pod import Pod
 
 logger = logging.getLogger("sandbox_lanes.reaper")
 
@@ -119,21 +123,27 @@ class Reaper:
     teardown_timeout_s: float = 60.0
     security: KafkaSecurity = PLAINTEXT
     #: Inside a pod: its own restored states and which sandbox ids its partitions own. Each
-    #: replica then judges only its own sandboxes, from memory, instead of every replica reading
+    #: replica then judges only its own sandboxes, from its store, instead of every replica reading
     #: the whole state topic each pass. None (the CLI): the whole topic, every sandbox.
-    local: Callable[[], tuple[dict[str, state_pb2.ExecutionState], Callable[[str], bool]]] | None = None
+    local: ReapStates | None = None
     #: Finished executions' states are removed after a retention (see :func:`plan_reap`).
     states_expire: bool = False
     #: Inside a pod: each removal in the sandbox's turn of the effect runner's order, judged again
     #: there. None (the CLI, beside the pods): the removal runs on its plan.
     order: Order | None = None
 
-    async def plan(self, now: float | None = None) -> tuple[list[ReapPlan], int]:
+    async def plan(
+        self, now: float | None = None, counts: ReadCounts | None = None
+    ) -> tuple[list[ReapPlan], int]:
+        """Each listed sandbox judged (inside a pod: those of its partitions); and the states held.
+        ``counts``: what the pass read of the pod's store, slice by slice."""
         # List first, then read state: the state view is never older than the listing.
         managed = await self.provisioner.list_managed()
         if self.local is not None:
-            states, owns = self.local()
-            managed = [m for m in managed if owns(m.sandbox_id)]
+            local = self.local
+            managed = [m for m in managed if local.owns(m.sandbox_id)]
+            states = await states_for(local, managed, states_expire=self.states_expire, counts=counts)
+            held = len(local)
         else:
             states = await read_all_states(
                 self.bootstrap,
@@ -141,8 +151,9 @@ class Reaper:
                 isolation_level=self.isolation_level,
                 security=self.security,
             )
+            held = len(states)
         at = time.time() if now is None else now
-        return plan_reap(managed, states, at, self.grace_s, states_expire=self.states_expire), len(states)
+        return plan_reap(managed, states, at, self.grace_s, states_expire=self.states_expire), held
 
     async def run_once(
         self, *, apply: bool, now: float | None = None, stop: asyncio.Event | None = None
@@ -165,13 +176,15 @@ class Reaper:
             await producer.stop()
         return ReapReport(results, apply, n_states)
 
-    def _still_reaped(self, result: ReapResult) -> str:
+    async def _still_reaped(self, result: ReapResult) -> str:
         """ "" when the sandbox is still to be reaped by the pod's states now, else why it is kept."""
         if self.local is None:
             return ""
         sb = result.plan.sandbox
-        states, owns = self.local()
-        if not owns(sb.sandbox_id):
+        if not self.local.owns(sb.sandbox_id):
+            return "its partition is no longer this pod's"
+        states = await states_for(self.local, [sb], states_expire=self.states_expire)
+        if not self.local.owns(sb.sandbox_id):  # released while its partition was read
             return "its partition is no longer this pod's"
         (again,) = plan_reap([sb], states, time.time(), self.grace_s, states_expire=self.states_expire)
         return "" if again.verdict == "reap" else again.reason
@@ -181,7 +194,7 @@ class Reaper:
 
         async def remove() -> str:
             # In the sandbox's turn (inside a pod): judged again from the states as they are now.
-            kept = self._still_reaped(result)
+            kept = await self._still_reaped(result)
             if kept:
                 return kept
             # One bound for the probe and the removal: neither may hold the pass up.
@@ -260,24 +273,10 @@ def reaper_for(settings: Settings, composed: Composed) -> Reaper | None:
         metrics=composed.metrics,
         teardown_timeout_s=settings.teardown_timeout_s,
         security=settings.kafka_security,
-        local=_pod_states(composed.pod),
+        local=StoreStates(composed.pod.states, composed.pod.input_partition_of),
         states_expire=settings.state_retention_s > 0,
         order=composed.pod.effects.exclusive,
     )
-
-
-def _pod_states(
-    pod: Pod,
-) -> Callable[[], tuple[dict[str, state_pb2.ExecutionState], Callable[[str], bool]]]:
-    """The pod's restored states, and whether a sandbox id's records are on a partition it owns
-    (a workflow sandbox is keyed by its execution id, a session sandbox by its session id: the
-    keys its inputs are partitioned by)."""
-
-    def local() -> tuple[dict[str, state_pb2.ExecutionState], Callable[[str], bool]]:
-        owned = pod.states.owned()
-        return dict(pod.states.items()), lambda key: pod.input_partition_of(key) in owned
-
-    return local
 
 
 async def periodic(reaper: Reaper, interval_s: float, stop: asyncio.Event, ready: asyncio.Event) -> None:

@@ -553,8 +553,10 @@ async def _a_recover_while_the_reaper_runs(driver: Any, sandbox_id: str, *, held
     from consumers.lanes.commands import Command, CommandResult, Ensure
     from consumers.lanes.credentials import SandboxCredentialRequest
     from consumers.ops.reaper import Reaper, ReapResult
+    from consumers.ops.reaper_states import StoreStates
     from consumers.runtime.effects import EffectRunner
     from consumers.runtime.kafka.topology import Topics
+    from consumers.runtime.state.store import MemoryStore
 
     class Outcomes:
         def __init__(self) -> None:
@@ -579,20 +581,21 @@ async def _a_recover_while_the_reaper_runs(driver: Any, sandbox_id: str, *, held
         gate_open.set()
     runner = EffectRunner(run, concurrency=4, gate=gate_open.wait)
     runner.own([0])
-    states: dict[str, state_pb2.ExecutionState] = {}
+    store = MemoryStore("state")  # the pod's held states: one partition (0), held by this pod
+    store.put(0, "wfx_another", _state("wfx_another", phase=common_pb2.EXECUTION_IN_PROGRESS))
     reaper = Reaper(
         driver,
         "127.0.0.1:9",
         Topics(),
         LaneConfig(enabled=True, driver_name=driver.driver_name),
         grace_s=0.0,
-        local=lambda: (dict(states), lambda _key: True),
+        local=StoreStates(store, lambda _key: 0),
         order=runner.exclusive,
     )
-    (plan,) = plan_reap([listed], states, time.time() + 1, 0.0)
+    (plan,) = plan_reap([listed], {}, time.time() + 1, 0.0)
     assert plan.verdict == "reap", plan  # an orphan when the pass planned
     # The take-over: the execution's live state restored, its pending ensure resumed.
-    states[sandbox_id] = _state(sandbox_id, phase=common_pb2.EXECUTION_IN_PROGRESS)
+    store.put(0, sandbox_id, _state(sandbox_id, phase=common_pb2.EXECUTION_IN_PROGRESS))
     mint = SandboxCredentialRequest("workflow", "", sandbox_id, "org", "usr")
     assert runner.submit(
         0, sandbox_id, f"effect-{sandbox_id}", Ensure("workflow", sandbox_id, env.task_queue, "", mint, True)
@@ -612,8 +615,10 @@ async def _a_recover_while_the_reaper_runs(driver: Any, sandbox_id: str, *, held
     assert await driver.probe("workflow", sandbox_id) == "running", "the recovered sandbox was reaped"
 
     # Once the execution is over, the same removal in the same order does reap it.
-    states[sandbox_id] = _state(sandbox_id, phase=common_pb2.EXECUTION_COMPLETED)
-    (done,) = plan_reap([listed], states, time.time(), 0.0)
+    store.put(0, sandbox_id, _state(sandbox_id, phase=common_pb2.EXECUTION_COMPLETED))
+    (done,) = plan_reap(
+        [listed], {sandbox_id: _state(sandbox_id, phase=common_pb2.EXECUTION_COMPLETED)}, time.time(), 0.0
+    )
     again = ReapResult(done)
     await asyncio.wait_for(reaper._remove(again, outcomes), 60)
     assert again.removed and len(outcomes.sent) == 1

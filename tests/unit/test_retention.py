@@ -9,12 +9,15 @@ mutating the rule one condition at a time, issue 33).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from consumers.lanes.reap import plan_reap
 from consumers.lanes.retention import finished, removable_from
+from consumers.runtime.state.rocksdb import RocksDBStore
 from consumers.runtime.state.store import MemoryStore as StateStore
 from events.sandbox_lanes.v1 import common_pb2, state_pb2
 from tests.integration.test_reaper import _sb, _state
@@ -175,3 +178,54 @@ def test_with_retention_an_unreferenced_session_sandbox_is_kept() -> None:
     assert kept == {"ses_quiet": "keep", "wfx_gone": "reap"}
     orphan = {p.sandbox.sandbox_id: p.verdict for p in plan_reap(listed, {}, now, grace)}
     assert orphan == {"ses_quiet": "reap", "wfx_gone": "reap"}
+
+
+# --- the disk store's retention check: where its index read starts (issue 45) ------------------
+
+
+def _disk(tmp: Path) -> RocksDBStore:
+    store = RocksDBStore("state", retention_s=100.0, directory=tmp)
+    store.adopt([0])
+    return store
+
+
+def _done(key: str, at: int) -> state_pb2.ExecutionState:
+    return _state(key, phase=common_pb2.EXECUTION_COMPLETED, at=at)
+
+
+def test_the_disk_stores_check_starts_past_the_index_entries_of_states_already_removed(
+    tmp_path: Path,
+) -> None:
+    """Removed states' index entries stay in RocksDB as deleted entries until a compaction, and a
+    read from the index's start walks them all (a backlog drained: 100k of them, 13 ms each second).
+    The check starts at the earliest entry it saw last time: an entry put before that, behind the
+    store's back, is not read (a read from the start would list it)."""
+    store = _disk(tmp_path)
+    store.apply(0, {f"done-{i:03d}": _done(f"done-{i:03d}", at=1_000 + i) for i in range(300)})
+    drained: list[str] = []
+    while due := store.due(2_000.0, limit=100):
+        drained += due[0]
+        store.apply(0, dict.fromkeys(due[0]))
+    assert drained == [f"done-{i:03d}" for i in range(300)]
+    store.apply(0, {"later": _done("later", at=5_000)})
+    assert store.due(2_000.0, limit=10) == {}
+    ghost = b"d" + struct.pack(">Q", 1_050_000) + b"ghost"  # earlier than anything the store holds
+    store._parts[0].db.put(ghost, b"")
+    assert store.due(6_000.0, limit=10) == {0: ["later"]}
+
+
+def test_a_state_due_earlier_than_where_the_check_starts_is_still_listed(tmp_path: Path) -> None:
+    """A finished state whose last input is older than every due one (a late, old event) moves the
+    check's start back: it is listed, and so is everything after it."""
+    store = _disk(tmp_path)
+    store.put(0, "first", _done("first", at=1_000))
+    assert store.due(1_500.0, limit=10) == {0: ["first"]}
+    store.delete(0, "first")
+    assert store.due(1_500.0, limit=10) == {}  # nothing due: the start moves up to now
+    store.put(0, "old", _done("old", at=200))
+    store.put(0, "newer", _done("newer", at=1_300))
+    assert store.due(1_500.0, limit=10) == {0: ["old", "newer"]}
+    # Reopened, the store reads its index from the start again.
+    store.close()
+    again = _disk(tmp_path)
+    assert again.due(1_500.0, limit=10) == {0: ["old", "newer"]}

@@ -73,6 +73,12 @@ class HeldStates(Protocol):
 
     def items(self) -> Iterator[tuple[str, state_pb2.ExecutionState]]: ...
 
+    def scan(self, partition: int, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        """A cursor over a partition's states: up to ``limit`` (key, serialized state) with keys past
+        ``after`` (None: from the first), in key order; pass the last key back for the next slice.
+        A periodic pass reads the store this way, a bounded slice per turn of the loop."""
+        ...
+
     def __len__(self) -> int: ...
 
 

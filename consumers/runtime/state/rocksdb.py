@@ -203,6 +203,28 @@ class RocksDBStore:
         for partition in list(self._parts):
             yield from self.partition_items(partition)
 
+    def scan(self, partition: int, after: str | None, limit: int) -> list[tuple[str, bytes]]:
+        """Up to ``limit`` serialized states with keys past ``after``, in key order (see
+        :meth:`~consumers.runtime.state.interface.HeldStates.scan`): one seek, no iterator kept."""
+        part = self._parts.get(partition)
+        if part is None or limit <= 0:
+            return []
+        found: list[tuple[str, bytes]] = []
+        with guarded(partition, writing=False):
+            it = part.db.iter()
+            try:
+                it.seek(_STATE if after is None else _STATE + after.encode() + b"\x00")
+                while it.valid() and len(found) < limit:
+                    key = it.key()
+                    if not key.startswith(_STATE):
+                        break
+                    found.append((key[1:].decode("utf-8", errors="replace"), it.value()))
+                    it.next()
+                it.status()
+            finally:
+                del it
+        return found
+
     def due(self, now: float, limit: int) -> dict[int, list[str]]:
         """Keys whose state may be removed now, per partition (at most ``limit`` in all), read from
         the due-time index. They stay there until their tombstone is committed (:meth:`apply`)."""
