@@ -131,7 +131,8 @@ class Toxiproxy:
     def version(self) -> str:
         req = urllib.request.Request(self.base + "/version")
         with urllib.request.urlopen(req, timeout=2) as resp:
-            return resp.read().decode().strip()
+            text: str = resp.read().decode().strip()
+            return text
 
     def create_proxy(self, name: str, listen_port: int, upstream_port: int) -> None:
         self._call(
