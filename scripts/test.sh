@@ -18,6 +18,8 @@ echo "[test] building kubernetes (apiserver, controller-manager, scheduler, kube
 .venv/bin/python -m harness.kube_apiserver build
 echo "[test] building the agent-sandbox controller v1.0.1 from source (cached)" >&2
 .venv/bin/python -m harness.agent_sandbox build
+echo "[test] building toxiproxy-server v2.5.0 from source, the network-fault tests' fault proxy (cached)" >&2
+.venv/bin/python -m harness.toxiproxy build
 echo "[test] building the Debian Python base for the pod image test (cached)" >&2
 .venv/bin/python -m harness.python_base_image prepare
 echo "[test] lint and types" >&2
