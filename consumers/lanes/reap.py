@@ -30,7 +30,7 @@ Only what ``list_managed()`` returns is ever considered, and drivers list by the
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -89,6 +89,16 @@ def sessions_referenced(state: state_pb2.ExecutionState) -> set[str]:
     return referenced
 
 
+def index_references(
+    states: Iterable[state_pb2.ExecutionState], into: dict[str, list[state_pb2.ExecutionState]]
+) -> dict[str, list[state_pb2.ExecutionState]]:
+    """Add each state to the lists of the sessions it references (session id → states); ``into``."""
+    for state in states:
+        for session_id in sessions_referenced(state):
+            into.setdefault(session_id, []).append(state)
+    return into
+
+
 def needs_references(session_id: str, own: state_pb2.ExecutionState | None, *, states_expire: bool) -> bool:
     """Whether :func:`plan_reap`'s verdict on a session sandbox depends on the states that reference
     the session (beyond ``own``, the session-keyed state). False: the verdict is the same whatever
@@ -113,19 +123,19 @@ def plan_reap(
     grace: float,
     *,
     states_expire: bool = False,
+    by_session: Mapping[str, Sequence[state_pb2.ExecutionState]] | None = None,
 ) -> list[ReapPlan]:
     """Decide, per listed sandbox, whether to reap it. Pure: no I/O, time comes in as ``now``.
 
     ``states_expire``: finished executions' states are removed after a retention, so a session
     sandbox that no state references may belong to a live session whose executions all finished
     long ago; it is kept (its session's delete removes it). Without retention no reference means
-    an orphan.
+    an orphan. ``by_session``: :func:`index_references` of ``states``, when the caller built it
+    already (a plan made a slice of sandboxes at a time).
     """
     # Session id → the states that reference it (agent executions, and the session-keyed teardown state).
-    by_session: dict[str, list[state_pb2.ExecutionState]] = {}
-    for state in states.values():
-        for session_id in sessions_referenced(state):
-            by_session.setdefault(session_id, []).append(state)
+    if by_session is None:
+        by_session = index_references(states.values(), {})
     plans: list[ReapPlan] = []
     for sandbox in managed:
         age = _age(sandbox, now)
@@ -136,7 +146,7 @@ def plan_reap(
                 _plan_session(
                     sandbox,
                     states.get(sandbox.sandbox_id),
-                    by_session.get(sandbox.sandbox_id, []),
+                    by_session.get(sandbox.sandbox_id, ()),
                     age,
                     grace,
                     states_expire,
@@ -181,7 +191,7 @@ def _teardown_pending(state: state_pb2.ExecutionState, scope: int, sandbox_id: s
 def _plan_session(
     sandbox: ManagedSandbox,
     own: state_pb2.ExecutionState | None,
-    referencing: list[state_pb2.ExecutionState],
+    referencing: Sequence[state_pb2.ExecutionState],
     age: float | None,
     grace: float,
     states_expire: bool,

@@ -33,7 +33,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from consumers.lanes.commands import LaneConfig
 from consumers.lanes.reap import ReapPlan, plan_reap, reaped_event
-from consumers.ops.reaper_states import ReadCounts, ReapStates, StoreStates, states_for
+from consumers.ops import reaper_states
+from consumers.ops.reaper_states import ReadCounts, ReapStates, StoreStates, owned, states_for
 from consumers.ops.settings import Settings
 from consumers.runtime.executor import error_message
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
@@ -140,20 +141,18 @@ class Reaper:
         # List first, then read state: the state view is never older than the listing.
         managed = await self.provisioner.list_managed()
         if self.local is not None:
-            local = self.local
-            managed = [m for m in managed if local.owns(m.sandbox_id)]
-            states = await states_for(local, managed, states_expire=self.states_expire, counts=counts)
-            held = len(local)
-        else:
-            states = await read_all_states(
-                self.bootstrap,
-                self.topics.state,
-                isolation_level=self.isolation_level,
-                security=self.security,
+            managed = await owned(self.local, managed)
+            states = await states_for(self.local, managed, states_expire=self.states_expire, counts=counts)
+            at = time.time() if now is None else now
+            plans = await reaper_states.plan(
+                managed, states, at, self.grace_s, states_expire=self.states_expire
             )
-            held = len(states)
+            return plans, len(self.local)
+        states = await read_all_states(
+            self.bootstrap, self.topics.state, isolation_level=self.isolation_level, security=self.security
+        )
         at = time.time() if now is None else now
-        return plan_reap(managed, states, at, self.grace_s, states_expire=self.states_expire), held
+        return plan_reap(managed, states, at, self.grace_s, states_expire=self.states_expire), len(states)
 
     async def run_once(
         self, *, apply: bool, now: float | None = None, stop: asyncio.Event | None = None

@@ -7,17 +7,18 @@ The first are point lookups; the second sit on the session's partition (an agent
 keyed by its session id), read through the store's cursor (``scan``) a slice at a time, the raw
 bytes sifted for the session ids before anything is decoded. Between two slices the pass yields
 to the event loop, so no pass holds the loop for more than one slice, whatever the store holds;
-with expiring states (retention on) a partition is read only for a deleted session's sandbox.
+with expiring states (retention on) a partition is read only for a deleted session's sandbox. The
+listing is filtered by partition and judged (:func:`plan`) a slice of sandboxes at a time as well.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from consumers.lanes.reap import needs_references, sessions_referenced
+from consumers.lanes.reap import ReapPlan, index_references, needs_references, plan_reap, sessions_referenced
 from consumers.runtime.state.interface import HeldStates
 from drivers.contract import ManagedSandbox
 from events.codec import decode_state
@@ -85,6 +86,43 @@ class ReadCounts:
     def slice(self, decoded: int, looked_at: int) -> None:
         self.decoded.append(decoded)
         self.looked_at.append(looked_at)
+
+
+async def owned(
+    view: ReapStates, managed: Iterable[ManagedSandbox], *, lookups: int = LOOKUPS
+) -> list[ManagedSandbox]:
+    """The listed sandboxes of partitions this pod holds (a hash of each id), a slice at a time."""
+    listed = list(managed)
+    mine: list[ManagedSandbox] = []
+    for start in range(0, len(listed), lookups):
+        mine += [m for m in listed[start : start + lookups] if view.owns(m.sandbox_id)]
+        await asyncio.sleep(0)
+    return mine
+
+
+async def plan(
+    managed: Sequence[ManagedSandbox],
+    states: Mapping[str, state_pb2.ExecutionState],
+    now: float,
+    grace: float,
+    *,
+    states_expire: bool,
+    slice_size: int = SLICE,
+    lookups: int = LOOKUPS,
+) -> list[ReapPlan]:
+    """:func:`~consumers.lanes.reap.plan_reap` over ``managed``, a slice of sandboxes at a time (its
+    index of references built a slice of states at a time), yielding to the loop in between."""
+    values = list(states.values())
+    by_session: dict[str, list[state_pb2.ExecutionState]] = {}
+    for start in range(0, len(values), slice_size):
+        index_references(values[start : start + slice_size], by_session)
+        await asyncio.sleep(0)
+    plans: list[ReapPlan] = []
+    for start in range(0, len(managed), lookups):
+        chunk = managed[start : start + lookups]
+        plans += plan_reap(chunk, states, now, grace, states_expire=states_expire, by_session=by_session)
+        await asyncio.sleep(0)
+    return plans
 
 
 async def states_for(

@@ -11,7 +11,8 @@ for what references it: the pass's worst case, a third of the states); the outco
 in memory. A probe task on the same loop wakes on every turn of the loop (``sleep(0)``) and keeps
 the longest gap between two of its wakes: the longest time something else held the loop. The
 retention check is measured on the backlog, then again after 100k of its keys are tombstoned the
-way the pod's retention does it (500 at a time).
+way the pod's retention does it (500 at a time). Last, the agent-sandbox idle sweep's session
+activity index (one build over every held state).
 
 ``python -m sandbox_lanes_bench.loop_hold [--sizes 0,100000,1000000] [--listed 200]`` (under the heavy-run
 lock). The code before issue 45 is measured by the same file with the older tree first on the path.
@@ -203,6 +204,7 @@ async def _one_size(n: int, directory: Path, listed: int) -> dict[str, float]:
         if not due:
             break
     _, after_hold, after_n = await probe.measure(retention_check)
+    activity_hold = await _session_activity_hold(store, probe)
     store.close()
     row = {
         "states": float(n),
@@ -216,15 +218,37 @@ async def _one_size(n: int, directory: Path, listed: int) -> dict[str, float]:
         "due_after_drop_hold_ms": after_hold * 1000,
         "due_after_drop_found": float(after_n),
         "tombstoned": float(dropped),
+        "session_activity_hold_ms": activity_hold * 1000,
     }
     print(
         f"{n:>9,} states: reaper pass {pass_s * 1000:9.1f} ms in all, longest loop hold "
         f"{pass_hold * 1000:8.2f} ms ({removed} removed); retention check hold {due_hold * 1000:6.2f} ms "
         f"({due_n} due); after {dropped:,} tombstoned {after_hold * 1000:6.2f} ms ({after_n} due)"
-        f"  [fill {filled:.0f} s]",
+        f"; session activity (idle sweep) {activity_hold * 1000:8.2f} ms  [fill {filled:.0f} s]",
         flush=True,
     )
     return row
+
+
+async def _session_activity_hold(store: Any, probe: _Probe) -> float:
+    """The agent-sandbox idle sweep's first question of a pass: its index of every session's
+    activity, built from the held states (``runtime.session_activity``, not changed by issue 45's
+    first step: measured so its figure is known)."""
+    from consumers.runtime.session_activity import StoreSessionActivity
+
+    class _PodStandIn:
+        states = store
+
+        def input_partition_of(self, key: str) -> int:
+            return 0
+
+    reader = StoreSessionActivity(_PodStandIn())  # type: ignore[arg-type]
+
+    async def ask() -> object:
+        return reader.activity("ses-0")
+
+    _, hold, _ = await probe.measure(ask)
+    return hold
 
 
 async def main(sizes: list[int], listed: int = LISTED) -> list[dict[str, float]]:

@@ -16,7 +16,7 @@ from harness.memory_driver import MemoryProvisioner
 from consumers.lanes.commands import LaneConfig
 from consumers.lanes.reap import plan_reap
 from consumers.ops.reaper import Reaper
-from consumers.ops.reaper_states import LOOKUPS, SLICE, ReadCounts, StoreStates, states_for
+from consumers.ops.reaper_states import LOOKUPS, SLICE, ReadCounts, StoreStates, owned, plan, states_for
 from consumers.runtime.kafka.topology import Topics
 from consumers.runtime.state.interface import StateStore
 from consumers.runtime.state.rocksdb import RocksDBStore
@@ -239,7 +239,8 @@ async def test_a_pass_judges_as_a_plan_over_every_held_state_would(tmp_path: Pat
         for expire in (True, False):
             read = await states_for(StoreStates(store, _partition_of), listed, states_expire=expire)
             assert len(read) < len(every)
-            got = plan_reap(listed, read, 10_000.0, 600.0, states_expire=expire)
+            # Planned a few sandboxes at a time, its index of references a few states at a time.
+            got = await plan(listed, read, 10_000.0, 600.0, states_expire=expire, slice_size=7, lookups=5)
             want = plan_reap(listed, every, 10_000.0, 600.0, states_expire=expire)
             assert [p.verdict for p in got] == [p.verdict for p in want]
             # A reap's reason is its SandboxReaped's: the same. A kept session's may name the
@@ -267,6 +268,34 @@ async def test_many_listed_sandboxes_are_looked_up_a_slice_at_a_time(tmp_path: P
     states = await states_for(StoreStates(store, _partition_of), listed, states_expire=True, counts=counts)
     assert sorted(states) == sorted(s.sandbox_id for s in listed[::2])
     assert len(counts.looked_at) == 3 and max(counts.decoded) <= LOOKUPS
+
+
+async def test_the_plan_and_the_ownership_filter_yield_to_the_loop_between_slices(tmp_path: Path) -> None:
+    """Thousands of listed sandboxes (a driver's whole listing) are filtered by partition and judged
+    LOOKUPS at a time: a task beside wakes between every two slices of each."""
+    store = _rocksdb(tmp_path)
+    listed = [_sb("workflow", f"wfx-p{i % 4}-{i}") for i in range(4 * LOOKUPS)]  # partition 3: not held
+    wakes = 0
+    done = False
+
+    async def beside() -> None:
+        nonlocal wakes
+        while not done:
+            wakes += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(beside())
+    await asyncio.sleep(0)
+    start = wakes
+    mine = await owned(StoreStates(store, _partition_of), listed)
+    filtered_wakes = wakes - start
+    plans = await plan(mine, {}, 10_000.0, 600.0, states_expire=True)
+    planned_wakes = wakes - start - filtered_wakes
+    done = True
+    await ticker
+    assert len(mine) == 3 * LOOKUPS and all(_partition_of(m.sandbox_id) != 3 for m in mine)
+    assert [p.verdict for p in plans] == ["reap"] * len(mine)  # no state, past grace
+    assert filtered_wakes >= 4 and planned_wakes >= 3
 
 
 def test_a_slice_is_small() -> None:
