@@ -229,3 +229,29 @@ def test_a_state_due_earlier_than_where_the_check_starts_is_still_listed(tmp_pat
     store.close()
     again = _disk(tmp_path)
     assert again.due(1_500.0, limit=10) == {0: ["old", "newer"]}
+
+
+def test_the_disk_stores_index_read_ends_at_the_index_not_at_the_next_live_key(tmp_path: Path) -> None:
+    """Past the due-time index lie the removable times (``r``), deleted with their states: an
+    iterator that leaves the index without a bound walks every one of them to reach the next live
+    key. The store's reads are bounded to their prefix: they end where it ends."""
+    from rocksdict import Options, Rdict
+
+    from consumers.runtime.state.rocksdb import _within
+
+    db = Rdict(str(tmp_path / "db"), Options(raw_mode=True))
+    try:
+        db.put(b"d" + struct.pack(">Q", 1) + b"k", b"")
+        db.put(b"s" + b"k", b"state")
+        for bounded, after_the_index in ((False, b"sk"), (True, None)):
+            it = db.iter(_within(b"d")) if bounded else db.iter()
+            it.seek(b"d")
+            it.next()  # one past the index's only entry
+            assert (it.key() if it.valid() else None) == after_the_index
+            del it
+        it = db.iter(_within(b"s"))
+        it.seek(b"s")
+        assert it.valid() and it.key() == b"sk"
+        del it
+    finally:
+        db.close()

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from google.protobuf.message import DecodeError as ProtobufDecodeError
-from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch, WriteBufferManager
+from rocksdict import BlockBasedOptions, Cache, Options, Rdict, ReadOptions, WriteBatch, WriteBufferManager
 
 from consumers.lanes.retention import removable_from
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
@@ -211,7 +211,7 @@ class RocksDBStore:
             return []
         found: list[tuple[str, bytes]] = []
         with guarded(partition, writing=False):
-            it = part.db.iter()
+            it = part.db.iter(_within(_STATE))
             try:
                 it.seek(_STATE if after is None else _STATE + after.encode() + b"\x00")
                 while it.valid() and len(found) < limit:
@@ -778,10 +778,20 @@ def _close_quietly(part: _Partition) -> None:
         logger.debug("closing a state database failed", extra={"path": str(part.path), "error": repr(exc)})
 
 
+def _within(prefix: bytes) -> ReadOptions:
+    """Read options that end an iteration at the last key starting with ``prefix``. Without them an
+    iterator leaving the range walks on over every deleted key after it until it finds a live one
+    (the removable times of removed states lie right after the due-time index: 100k of them cost
+    each retention check 2-9 ms until a compaction dropped them)."""
+    opts = ReadOptions()
+    opts.set_iterate_upper_bound(prefix[:-1] + bytes([prefix[-1] + 1]))  # our prefixes end below 0xff
+    return opts
+
+
 def _prefixed(db: Rdict, prefix: bytes, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
     """The entries whose key starts with ``prefix``, the prefix cut off, in key order (from
     ``prefix + start``)."""
-    it = db.iter()
+    it = db.iter(_within(prefix))
     try:
         it.seek(prefix + start)
         while it.valid():
