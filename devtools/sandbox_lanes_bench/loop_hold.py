@@ -232,8 +232,7 @@ async def _one_size(n: int, directory: Path, listed: int) -> dict[str, float]:
 
 async def _session_activity_hold(store: Any, probe: _Probe) -> float:
     """The agent-sandbox idle sweep's first question of a pass: its index of every session's
-    activity, built from the held states (``runtime.session_activity``, not changed by issue 45's
-    first step: measured so its figure is known)."""
+    activity, built from the held states (``runtime.session_activity``)."""
     from consumers.runtime.session_activity import StoreSessionActivity
 
     class _PodStandIn:
@@ -245,7 +244,11 @@ async def _session_activity_hold(store: Any, probe: _Probe) -> float:
     reader = StoreSessionActivity(_PodStandIn())  # type: ignore[arg-type]
 
     async def ask() -> object:
-        return reader.activity("ses-0")
+        answer = reader.activity("ses-0")  # before issue 45: the index built here, at once
+        building = getattr(reader, "_building", None)
+        if building is not None:  # since: built beside the loop; its whole build measured
+            await building
+        return answer
 
     _, hold, _ = await probe.measure(ask)
     return hold
