@@ -21,15 +21,24 @@ must be:
 
 Only the pod's own clock is read (when it first looked at the record, and when each fetch was
 answered), so a producer with a skewed clock can neither release a record early nor hold it for
-ever. A shortcut: once a create stamped later than the record was applied, every create produced
-before the record has been (same producer clock, as before).
+ever. One shortcut compares producers' stamps, and only a producer's with its own: once a create
+*of the record's own producer* (the same ``ce_source``) stamped strictly later than the record was
+applied, every create that producer made before the record has been (one clock, and its records
+reach the partition in the order it made them). A create of another producer never releases a
+record, however late its stamp: its clock may run ahead of the record's (before, any create stamped
+later released it, so a producer whose clock ran ahead released other producers' records early). A
+create stamped in the same millisecond as the record may have been made after it: not enough. A
+record or create without a ``ce_source`` takes no shortcut.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+
+from events.codec import header
 
 #: How much later than the pod first looked at a record a fetch of the execution-created partition
 #: must be answered to vouch for it: the fetch may have been sent up to ``fetch_max_wait_ms``
@@ -41,6 +50,22 @@ CREATE_APPEND_MARGIN_MS = 1000
 CAUGHT_UP_CONFIRM_MS = 3000
 #: Held records remembered at most (a bound on memory, not a limit anyone should reach).
 _MAX_HELD = 100_000
+#: Producers (``ce_source``) whose last create is remembered per partition, at most: past it the
+#: shortcut starts over (records then wait on progress: slower, never early).
+_MAX_SOURCES = 1_000
+#: The CloudEvents header naming a record's producer.
+SOURCE_HEADER = "ce_source"
+
+#: Per producer (``ce_source``): the stamp of its last create applied.
+_Stamps = dict[str, int]
+
+
+def source_of(headers: Iterable[tuple[str, bytes | None]] | None) -> str | None:
+    """A record's producer (its ``ce_source``), or None without one (a null or empty value too)."""
+    try:
+        return header(headers, SOURCE_HEADER) or None  # type: ignore[arg-type]
+    except (AttributeError, TypeError, ValueError):  # a header that is not bytes: no source
+        return None
 
 
 class CreateOrderGate:
@@ -48,10 +73,10 @@ class CreateOrderGate:
 
     def __init__(self, created_topic: str) -> None:
         self._created_topic = created_topic
-        #: Per partition: the timestamp of the last create applied and committed.
-        self._committed: dict[int, int] = {}
+        #: Per partition, per producer: the stamp of its last create applied and committed.
+        self._committed: dict[int, _Stamps] = {}
         #: The same within the transaction in progress.
-        self._in_progress: dict[int, int] = {}
+        self._in_progress: dict[int, _Stamps] = {}
         #: Per partition: the last create offset of the transaction's batch not applied yet.
         self._unapplied_upto: dict[int, int] = {}
         #: When the pod first looked at each held record (its own wall clock, ms).
@@ -66,22 +91,34 @@ class CreateOrderGate:
         if done is None:
             self._in_progress.pop(partition, None)
         else:
-            self._in_progress[partition] = done
+            self._in_progress[partition] = dict(done)
         if last_create_offset is None:
             self._unapplied_upto.pop(partition, None)
         else:
             self._unapplied_upto[partition] = last_create_offset
 
-    def applied(self, partition: int, offset: int, timestamp: int) -> None:
-        """A create at ``offset`` was applied (or dead-lettered) in the transaction in progress."""
-        self._in_progress[partition] = max(timestamp, self._in_progress.get(partition, -1))
+    def applied(
+        self,
+        partition: int,
+        offset: int,
+        timestamp: int,
+        headers: Iterable[tuple[str, bytes | None]] | None = None,
+    ) -> None:
+        """A create at ``offset`` was applied (or dead-lettered) in the transaction in progress;
+        ``headers``: its record's, which name its producer (without them it takes no shortcut)."""
+        source = source_of(headers)
+        if source is not None:
+            stamps = self._in_progress.setdefault(partition, {})
+            if source not in stamps and len(stamps) >= _MAX_SOURCES:
+                stamps.clear()
+            stamps[source] = max(timestamp, stamps.get(source, -1))
         if self._unapplied_upto.get(partition, -1) <= offset:
             self._unapplied_upto.pop(partition, None)
 
     def committed(self, partition: int) -> None:
         done = self._in_progress.get(partition)
         if done is not None:
-            self._committed[partition] = done
+            self._committed[partition] = dict(done)
 
     def forget(self, partition: int) -> None:
         """The partition moved away (or its writer was fenced): the next owner starts over."""
@@ -90,6 +127,10 @@ class CreateOrderGate:
         self._unapplied_upto.pop(partition, None)
         self._held_since = {ref: t for ref, t in self._held_since.items() if ref[1] != partition}
         self._caught_up_at = {ref: t for ref, t in self._caught_up_at.items() if ref[1] != partition}
+
+    def holds(self, topic: str, partition: int, offset: int) -> bool:
+        """Is that record held now (looked at, and not yet applied or dead-lettered)?"""
+        return (topic, partition, offset) in self._held_since
 
     def settled(self, rec: ConsumerRecord[bytes, bytes]) -> None:
         """The record was applied or dead-lettered: it is no longer held."""
@@ -106,8 +147,9 @@ class CreateOrderGate:
             self._caught_up_at.clear()
         ref = (rec.topic, rec.partition, rec.offset)
         seen_ms = self._held_since.setdefault(ref, int(time.time() * 1000))
-        if self._in_progress.get(rec.partition, -1) > rec.timestamp:
-            return False  # a create stamped after this record was applied (same ms: maybe not)
+        source = source_of(rec.headers)
+        if source is not None and self._in_progress.get(rec.partition, {}).get(source, -1) > rec.timestamp:
+            return False  # its own producer's create stamped after it was applied (same ms: maybe not)
         if rec.partition in self._unapplied_upto:
             return True  # creates of this batch are still to be applied: look again next turn
         highwater = consumer.highwater(created)

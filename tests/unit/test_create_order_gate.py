@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import pytest
 from aiokafka import ConsumerRecord, TopicPartition
 
 from consumers.runtime.create_order import CAUGHT_UP_CONFIRM_MS, CREATE_APPEND_MARGIN_MS, CreateOrderGate
@@ -36,8 +37,23 @@ class _Consumer:
         return self.position_
 
 
-def _phase_change(timestamp: int = 1_000) -> ConsumerRecord[bytes, bytes]:
-    return ConsumerRecord("phase-changed", 0, 7, timestamp, 0, b"k", b"v", None, 1, 1, ())
+#: The record's producer, as its CloudEvents ``ce_source`` header names it.
+UPSTREAM = [("ce_source", b"upstream-a")]
+#: Another producer, whose clock may be anywhere.
+ANOTHER = [("ce_source", b"upstream-b")]
+
+
+def _phase_change(
+    timestamp: int = 1_000, headers: list[tuple[str, bytes]] | None = None
+) -> ConsumerRecord[bytes, bytes]:
+    record_headers = UPSTREAM if headers is None else headers
+    return ConsumerRecord("phase-changed", 0, 7, timestamp, 0, b"k", b"v", None, 1, 1, record_headers)
+
+
+def _holding_on_progress() -> _Consumer:
+    """Facts that hold any record on progress: no answer from the create partition since it was seen.
+    Only the shortcut can release a record then."""
+    return _Consumer(highwater_=9, position_=9, polled_ms=int(time.time() * 1000))
 
 
 async def test_no_answer_since_the_record_was_seen_holds_it() -> None:
@@ -85,10 +101,91 @@ async def test_creates_of_the_batch_not_applied_yet_hold_it_and_a_later_create_r
     rec = _phase_change(timestamp=1_000)
     gate.begin(0, last_create_offset=8)
     assert await gate.may_follow(consumer, rec)  # type: ignore[arg-type]  # create 8 still to apply
-    gate.applied(0, 8, timestamp=1_001)  # a create stamped after the record: every earlier one is in
+    gate.applied(0, 8, timestamp=1_001, headers=UPSTREAM)  # its producer's next create: the earlier are in
     assert not await gate.may_follow(consumer, rec)  # type: ignore[arg-type]
 
 
 async def test_a_create_partition_not_assigned_here_holds_nothing() -> None:
     facts = _Consumer(highwater_=None, assigned=set())
     assert not await CreateOrderGate("execution-created").may_follow(facts, _phase_change())  # type: ignore[arg-type]
+
+
+# --- the shortcut under skewed producers (issue 42, finding 6) ------------------------------------
+
+
+async def test_another_producers_create_stamped_later_never_releases_a_record() -> None:
+    """Producer B's clock runs ten minutes ahead of A's: its create, made before A's phase change,
+    is stamped long after it. It says nothing of A's creates: the record stays held on progress."""
+    gate, facts = CreateOrderGate("execution-created"), _holding_on_progress()
+    rec = _phase_change(timestamp=1_000)
+    gate.begin(0)
+    gate.applied(0, 3, timestamp=1_000 + 600_000, headers=ANOTHER)
+    assert await gate.may_follow(facts, rec)  # type: ignore[arg-type]
+    gate.committed(0)
+    gate.begin(0)
+    assert await gate.may_follow(facts, rec)  # type: ignore[arg-type]  # committed, still B's
+
+
+async def test_its_own_producers_create_stamped_later_releases_it() -> None:
+    gate, facts = CreateOrderGate("execution-created"), _holding_on_progress()
+    rec = _phase_change(timestamp=1_000)
+    gate.begin(0)
+    gate.applied(0, 3, timestamp=1_001, headers=UPSTREAM)
+    assert not await gate.may_follow(facts, rec)  # type: ignore[arg-type]
+
+
+async def test_its_own_producers_create_of_the_same_millisecond_does_not_release_it() -> None:
+    """Two records of one producer in one millisecond: the create may have been made after the
+    record, so the record is not released by it (fails if the strict ``>`` becomes ``>=``)."""
+    gate, facts = CreateOrderGate("execution-created"), _holding_on_progress()
+    rec = _phase_change(timestamp=1_000)
+    gate.begin(0)
+    gate.applied(0, 3, timestamp=1_000, headers=UPSTREAM)
+    assert await gate.may_follow(facts, rec)  # type: ignore[arg-type]
+    gate.applied(0, 4, timestamp=1_001, headers=UPSTREAM)  # one millisecond later: released
+    assert not await gate.may_follow(facts, rec)  # type: ignore[arg-type]
+
+
+async def test_the_shortcut_is_kept_per_producer_and_across_committed_transactions_only() -> None:
+    gate, facts = CreateOrderGate("execution-created"), _holding_on_progress()
+    from_a, from_b = _phase_change(timestamp=5_000), _phase_change(timestamp=5_000, headers=ANOTHER)
+    gate.begin(0)
+    gate.applied(0, 3, timestamp=9_000, headers=UPSTREAM)
+    gate.applied(0, 4, timestamp=4_000, headers=ANOTHER)  # B's clock behind: before B's record
+    assert not await gate.may_follow(facts, from_a)  # type: ignore[arg-type]
+    assert await gate.may_follow(facts, from_b)  # type: ignore[arg-type]
+    gate.begin(0)  # the transaction was not committed (it failed): what it applied is not counted
+    assert await gate.may_follow(facts, from_a)  # type: ignore[arg-type]
+    gate.applied(0, 3, timestamp=9_000, headers=UPSTREAM)
+    gate.committed(0)
+    gate.begin(0)  # the next transaction starts from the committed stamps
+    assert not await gate.may_follow(facts, from_a)  # type: ignore[arg-type]
+    assert await gate.may_follow(facts, from_b)  # type: ignore[arg-type]
+    gate.forget(0)  # the partition moved away: the next owner starts over
+    gate.begin(0)
+    assert await gate.may_follow(facts, from_a)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [[], [("ce_source", None)], [("ce_source", b"")], [("other", b"upstream-a")]],
+    ids=["no-header", "null", "empty", "another-header"],
+)
+async def test_without_a_producer_named_there_is_no_shortcut(headers: list[tuple[str, bytes | None]]) -> None:
+    gate, facts = CreateOrderGate("execution-created"), _holding_on_progress()
+    gate.begin(0)
+    gate.applied(0, 3, timestamp=9_000, headers=headers)  # type: ignore[arg-type]
+    gate.applied(0, 4, timestamp=9_000)
+    assert await gate.may_follow(facts, _phase_change(timestamp=1_000, headers=headers))  # type: ignore[arg-type]
+    gate.applied(0, 5, timestamp=9_000, headers=UPSTREAM)  # a named create does not release a nameless record
+    assert await gate.may_follow(facts, _phase_change(timestamp=1_000, headers=headers))  # type: ignore[arg-type]
+
+
+async def test_holds_says_which_records_are_held() -> None:
+    gate, facts = CreateOrderGate("execution-created"), _holding_on_progress()
+    rec = _phase_change()
+    assert not gate.holds("phase-changed", 0, 7)
+    assert await gate.may_follow(facts, rec)  # type: ignore[arg-type]
+    assert gate.holds("phase-changed", 0, 7)
+    gate.settled(rec)
+    assert not gate.holds("phase-changed", 0, 7)
