@@ -405,7 +405,7 @@ async def test_a_stalled_loop_fails_liveness_and_readiness_then_recovers(
     topics = load_settings(env).topics
     async with running_pod(env, provisioner=MemoryProvisioner()) as composed:
         pod = composed.pod
-        real_turn = pod._turn
+        real_turn = pod.turns.turn
         hang = asyncio.Event()
 
         async def turn(fetched: Any) -> None:
@@ -414,7 +414,7 @@ async def test_a_stalled_loop_fails_liveness_and_readiness_then_recovers(
                 await asyncio.sleep(3.0)  # the hung commit; the event loop itself stays free
             await real_turn(fetched)
 
-        monkeypatch.setattr(pod, "_turn", turn)
+        monkeypatch.setattr(pod.turns, "turn", turn)
         ops = OpsServer(pod, composed.metrics, host="127.0.0.1", port=0, stall_after_s=1.0)
         await ops.start()
         try:
