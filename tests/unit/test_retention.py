@@ -214,6 +214,19 @@ def test_the_disk_stores_check_starts_past_the_index_entries_of_states_already_r
     assert store.due(6_000.0, limit=10) == {0: ["later"]}
 
 
+def test_the_disk_stores_check_starts_past_removed_entries_of_the_same_millisecond(tmp_path: Path) -> None:
+    """Many states fall due in the same millisecond (a burst's executions ended together): the check
+    starts at the earliest live entry's key, not only its time."""
+    store = _disk(tmp_path)
+    store.apply(0, {f"done-{i:03d}": _done(f"done-{i:03d}", at=1_000) for i in range(300)})
+    first = store.due(2_000.0, limit=100)[0]
+    store.apply(0, dict.fromkeys(first))
+    assert store.due(2_000.0, limit=1) == {0: ["done-100"]}
+    ghost = b"d" + struct.pack(">Q", 1_100_000) + b"done-050x"  # same time, among the removed keys
+    store._parts[0].db.put(ghost, b"")
+    assert store.due(2_000.0, limit=1) == {0: ["done-100"]}
+
+
 def test_a_state_due_earlier_than_where_the_check_starts_is_still_listed(tmp_path: Path) -> None:
     """A finished state whose last input is older than every due one (a late, old event) moves the
     check's start back: it is listed, and so is everything after it."""

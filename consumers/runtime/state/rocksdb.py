@@ -138,9 +138,10 @@ class _Partition:
         #: may chain from there.
         self.unproven: list[tuple[int, int]] = []
         self.unknown = False
-        #: No due-time index entry is earlier than this (8 bytes, as ``_ms``; b"": not known yet):
-        #: where :meth:`RocksDBStore.due` seeks. Entries of states already removed lie before it, and
-        #: a seek walks every deleted entry on its way until a compaction drops them.
+        #: No due-time index entry sorts before this (its time as ``_ms``, then its key; b"": not
+        #: known yet): where :meth:`RocksDBStore.due` seeks. Entries of states already removed lie
+        #: before it, and a seek walks every deleted entry on its way until a compaction drops them
+        #: (the key too: many states fall due in the same millisecond).
         self.due_floor = b""
 
     def checkpoint(self) -> dict[str, Any] | None:
@@ -235,7 +236,7 @@ class RocksDBStore:
             with guarded(partition, writing=False):
                 floor = bound  # no entry at or past the floor: none before the bound either
                 for index_key, _ in _prefixed(part.db, _DUE, part.due_floor):
-                    floor = min(floor, index_key[:8])
+                    floor = min(floor, index_key)
                     if n >= limit or index_key[:8] > bound:
                         break
                     found.setdefault(partition, []).append(index_key[8:].decode("utf-8", errors="replace"))
@@ -334,7 +335,7 @@ class RocksDBStore:
         else:
             batch.put(_REMOVABLE + key, _ms(at))
             batch.put(_DUE + _ms(at) + key, b"")
-            part.due_floor = min(part.due_floor, _ms(at))
+            part.due_floor = min(part.due_floor, _ms(at) + key)
         return 0 if existed else 1
 
     # --- partitions come and go --------------------------------------------------------------
