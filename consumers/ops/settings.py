@@ -178,6 +178,20 @@ SETTINGS: tuple[Setting, ...] = (
         "the `rocksdb` state store's directory, one per pod (a database is locked by the pod that "
         "opened it): a volume that outlives the container, an `emptyDir` or a PersistentVolumeClaim per pod",
     ),
+    Setting(
+        "SANDBOX_LANES_SCHEMA_REGISTRY_URL",
+        "",
+        "a Confluent-compatible Schema Registry (`http(s)://host:port[/path]`, e.g. Apicurio's "
+        "`/apis/ccompat/v7`): a framed input's schema id is looked up (cached) and its message checked "
+        "against the topic's; empty = the framing is read and checked against this project's `.proto` "
+        "layout ([input formats](input-formats.md))",
+    ),
+    Setting(
+        "SANDBOX_LANES_REDRIVE_MAX",
+        "3",
+        "`sandbox-lanes redrive`: a dead letter re-driven this many times is parked "
+        "(left out unless `--force`)",
+    ),
     Setting("SANDBOX_LANES_SESSION_TIMEOUT_MS", "10000", "consumer group session timeout"),
     Setting("SANDBOX_LANES_SHUTDOWN_TIMEOUT_S", "30", "bound on graceful shutdown after SIGTERM"),
     Setting("SANDBOX_LANES_ENSURE_TIMEOUT_S", "120", "bound on one driver ensure"),
@@ -477,6 +491,16 @@ def _topics(env: Mapping[str, str]) -> Topics:
     return Topics(**{names[var]: topic for var, topic in values.items()})
 
 
+def _registry_url(env: Mapping[str, str]) -> str:
+    url = _get(env, "SANDBOX_LANES_SCHEMA_REGISTRY_URL")
+    if url and not re.match(r"^https?://[^/\s]+(/\S*)?$", url):
+        raise ConfigError(
+            f"SANDBOX_LANES_SCHEMA_REGISTRY_URL={url!r} is not an http:// or https:// URL "
+            "(e.g. http://registry:8080/apis/ccompat/v7)"
+        )
+    return url.rstrip("/")
+
+
 def _installation(env: Mapping[str, str]) -> str:
     """``SANDBOX_LANES_INSTALLATION``, else the consumer group: a label value either way."""
     name = "SANDBOX_LANES_INSTALLATION"
@@ -698,6 +722,10 @@ class Settings:
     kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
     #: The source revision of this build (the image sets SANDBOX_LANES_REVISION); "" = unknown.
     revision: str = ""
+    #: A Confluent-compatible Schema Registry's base URL; "" = none (docs/input-formats.md).
+    schema_registry_url: str = ""
+    #: ``sandbox-lanes redrive`` parks a dead letter re-driven this many times.
+    redrive_max: int = 3
 
     @property
     def secret_values(self) -> list[str]:
@@ -849,4 +877,6 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         credential_provider=_credential_provider(env),
         kafka_security=_kafka_security(env),
         revision=_get(env, "SANDBOX_LANES_REVISION"),
+        schema_registry_url=_registry_url(env),
+        redrive_max=_int(env, "SANDBOX_LANES_REDRIVE_MAX", 1),
     )

@@ -35,6 +35,7 @@ from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod_config import PodConfig, PodStats
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.state.store import StateStore
+from events import schema_registry
 from events.codec import TYPE_PREFIX, DecodeError, InputEvent, decode_input, encode, state_key, type_name
 from events.sandbox_lanes.v1 import inputs_pb2, state_pb2
 
@@ -213,6 +214,7 @@ class PartitionTransaction:
                 bare=doomed.bare,
             )
             return False
+        await schema_registry.ensure(rec.value)  # a framed input's schema id, looked up once (cached)
         try:
             event = decode_input(
                 rec.key,

@@ -20,6 +20,7 @@ from typing import NoReturn
 from consumers.ops.config_file import CONFIG_FILE_ENV
 from consumers.ops.logs import JSON_LINES_BY_FORMAT, setup_logging
 from consumers.ops.settings import ConfigError, load_settings
+from events import schema_registry
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -39,6 +40,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     log = logging.getLogger("sandbox_lanes")
     for warning in settings.warnings:
         log.warning(warning)
+    schema_registry.configure(settings.schema_registry_url)
     composed = compose(settings, log)
     ops = (
         OpsServer(
@@ -162,6 +164,7 @@ def _cmd_tail(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     setup_logging(args.log_level)
+    schema_registry.configure(settings.schema_registry_url)
     topics = settings.topics
     names = [topics.outcomes]
     if args.state:
@@ -179,6 +182,7 @@ def _cmd_tail(args: argparse.Namespace) -> int:
             max_records=args.max,
             isolation_level="read_committed" if settings.guarantee == "exactly_once" else "read_uncommitted",
             security=settings.kafka_security,
+            topics=topics,
         )
     )
     return 0
@@ -222,6 +226,11 @@ MODULE_COMMANDS: tuple[tuple[str, str, str], ...] = (
         "explain",
         "consumers.tools.explain",
         "one execution's (or session's) story: inputs, rules, effects, outcomes, dead letters, states",
+    ),
+    (
+        "redrive",
+        "consumers.tools.redrive",
+        "list dead letters and, with --apply, write them back to their source topic (audited, at most once)",
     ),
     (
         "reap",

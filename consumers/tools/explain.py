@@ -51,6 +51,7 @@ from consumers.tools.replay.derive import (
     recorded_fingerprints,
     runtime_dead_letter,
 )
+from events import schema_registry
 from events.codec import (
     OUTCOME_TYPES,
     DecodeError,
@@ -369,6 +370,7 @@ async def build_story(
         fp = fingerprint_of.get(where, "")
         found = configs.get(fp)
         allowance = found.max_clock_ahead_s if found is not None else None
+        await schema_registry.ensure(rec.value)
         try:
             event = decode_input(
                 rec.key,
@@ -803,6 +805,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = load_settings()
     setup_logging(getattr(args, "log_level", "warning"))
+    schema_registry.configure(settings.schema_registry_url)
     story = asyncio.run(
         explain(
             args.bootstrap or settings.bootstrap,

@@ -17,6 +17,7 @@ from google.protobuf.message import Message
 from consumers.runtime.kafka.codecs import require_codecs
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.kafka.topology import Topics
+from events import schema_registry
 from events.codec import (
     ALL_TYPES,
     INPUT_TYPES,
@@ -27,6 +28,7 @@ from events.codec import (
     from_dict,
     header,
     to_json,
+    wire_format,
 )
 from events.sandbox_lanes.v1 import inputs_pb2
 
@@ -100,9 +102,18 @@ async def produce(
 
 
 def describe(
-    topic: str, key: bytes | None, value: bytes | None, headers: Any, offset: int, partition: int
+    topic: str,
+    key: bytes | None,
+    value: bytes | None,
+    headers: Any,
+    offset: int,
+    partition: int,
+    *,
+    carries: str | None = None,
 ) -> dict[str, Any]:
-    ce_type = header(headers, "ce_type") or ""
+    """One record as a JSON-able entry; ``carries``: the one type an input topic carries (a record
+    without ``ce_type`` is read as it, as the pod reads it)."""
+    ce_type = header(headers, "ce_type") or carries or ""
     entry: dict[str, Any] = {
         "topic": topic,
         "partition": partition,
@@ -114,8 +125,11 @@ def describe(
     if reason is not None:
         entry["dlq_reason"] = reason
         return entry
+    entry["format"] = wire_format(value, headers)
     try:
-        entry["event"] = json.loads(to_json(decode(key, value, headers, allowed=ALL_TYPES)))
+        event = decode(key, value, headers, allowed=ALL_TYPES, topic_carries=carries)
+        entry["type"] = event.DESCRIPTOR.name
+        entry["event"] = json.loads(to_json(event))
     except DecodeError as exc:
         entry["error"] = exc.reason
     return entry
@@ -131,8 +145,12 @@ async def tail(
     max_records: int | None = None,
     isolation_level: str = "read_uncommitted",
     security: KafkaSecurity = PLAINTEXT,
+    topics: Topics | None = None,
 ) -> int:
-    """Print decoded records as JSON lines; stop after ``idle_timeout_s`` without records (None = follow)."""
+    """Print decoded records as JSON lines; stop after ``idle_timeout_s`` without records (None = follow).
+
+    With ``topics``, an input topic's record without ``ce_type`` is read as the type it carries.
+    """
     require_codecs()  # every codec a producer may use, or an error naming the missing one
     consumer = AIOKafkaConsumer(
         *topic_names,
@@ -157,7 +175,11 @@ async def tail(
             last = loop.time()
             for tp, records in batch.items():
                 for rec in records:
-                    line = describe(tp.topic, rec.key, rec.value, rec.headers, rec.offset, tp.partition)
+                    await schema_registry.ensure(rec.value)
+                    carries = topics.carries(tp.topic) if topics is not None else None
+                    line = describe(
+                        tp.topic, rec.key, rec.value, rec.headers, rec.offset, tp.partition, carries=carries
+                    )
                     print(json.dumps(line, sort_keys=False), file=out, flush=True)
                     printed += 1
     finally:

@@ -22,6 +22,7 @@ SUBCOMMANDS = [
     "tail",
     "replay",
     "explain",
+    "redrive",
     "reap",
     "topics",
     "bench",

@@ -152,9 +152,11 @@ def config_line(report: ReplayReport) -> str:
 def run(args: argparse.Namespace) -> int:
     from consumers.ops.logs import setup_logging
     from consumers.ops.settings import load_settings
+    from events import schema_registry
 
     settings = load_settings()
     setup_logging(getattr(args, "log_level", "warning"))
+    schema_registry.configure(settings.schema_registry_url)
     window = Window(
         from_offset=args.from_offset,
         from_time_ms=parse_time_ms(args.from_time) if args.from_time else None,

@@ -40,6 +40,7 @@ from consumers.tools.replay.compare import (
     compare_states,
     source_of,
 )
+from events import schema_registry
 from events.codec import (
     OUTCOME_TYPES,
     DecodeError,
@@ -273,6 +274,7 @@ async def replay(
             )
             if differs:
                 changed_where[where] = differs
+            await schema_registry.ensure(rec.value)
             try:
                 event = decode_input(
                     rec.key,
