@@ -31,6 +31,7 @@ from events.wire_formats import (
     media_type,
     read_framing,
     read_structured,
+    write_framing,
 )
 
 SCHEMA_VERSION: Final = 1
@@ -217,6 +218,9 @@ def encode(message: Message, *, source: str = "sandbox-lanes") -> EncodedRecord:
     else:
         event_id = occurred = ""
     key = message.execution_id if isinstance(message, state_pb2.ExecutionState) else record_key(message)
+    value = message.SerializeToString()
+    if _OUTPUT_SCHEMA_ID is not None and ce_type in OUTCOME_TYPES:
+        value = write_framing(_OUTPUT_SCHEMA_ID, file_index(type(message)), value)
     headers = [
         ("ce_specversion", _CE_SPECVERSION_BYTES),
         ("ce_type", ce_type_bytes),
@@ -225,7 +229,17 @@ def encode(message: Message, *, source: str = "sandbox-lanes") -> EncodedRecord:
         ("ce_time", occurred.encode()),
         ("content-type", _CONTENT_TYPE_BYTES),
     ]
-    return EncodedRecord(key.encode(), message.SerializeToString(), headers)
+    return EncodedRecord(key.encode(), value, headers)
+
+
+#: The schema id outcomes are framed with (``SANDBOX_LANES_OUTPUT_FORMAT=schema-registry``), or None.
+_OUTPUT_SCHEMA_ID: int | None = None
+
+
+def frame_outcomes(schema_id: int | None) -> None:
+    """Frame every outcome :func:`encode` writes with ``schema_id`` (None: the project's own format)."""
+    global _OUTPUT_SCHEMA_ID
+    _OUTPUT_SCHEMA_ID = schema_id
 
 
 def header(headers: Iterable[tuple[str, bytes]] | None, name: str) -> str | None:

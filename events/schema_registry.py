@@ -177,6 +177,18 @@ class SchemaRegistry:
         self._cache.setdefault(schema_id, RegisteredSchema(schema_id, parse_schema(schema)))
         return schema_id
 
+    def version_blocking(self, subject: str, schema: str, references: list[dict[str, object]]) -> int:
+        """The version under ``subject`` of a schema registered there (for a reference to it)."""
+        body = json.dumps({"schemaType": "PROTOBUF", "schema": schema, "references": references}).encode()
+        quoted = urllib.parse.quote(subject, safe="")
+        status, answer = self._fetch("POST", f"{self.url}/subjects/{quoted}", body)
+        if status != 200:
+            raise RegistryUnavailable(
+                f"schema registry {self.url} did not find the schema under {subject}: "
+                f"{status} {answer[:300]!r}"
+            )
+        return int(json.loads(answer)["version"])
+
 
 #: The process's registry (``SANDBOX_LANES_SCHEMA_REGISTRY_URL``), or None: framing read, id recorded.
 ACTIVE: SchemaRegistry | None = None

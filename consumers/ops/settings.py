@@ -33,6 +33,7 @@ from consumers.runtime.kafka.topology import Topics
 from drivers.contract import SANDBOX_DRIVER_OWNED_RUNNER_ENV, DriverConfig
 from drivers.naming import valid_installation
 from drivers.runner.env import is_temporal_connection_name
+from events.output_format import OUTPUT_FORMATS
 
 
 class ConfigError(ValueError):
@@ -185,6 +186,14 @@ SETTINGS: tuple[Setting, ...] = (
         "`/apis/ccompat/v7`): a framed input's schema id is looked up (cached) and its message checked "
         "against the topic's; empty = the framing is read and checked against this project's `.proto` "
         "layout ([input formats](input-formats.md))",
+    ),
+    Setting(
+        "SANDBOX_LANES_OUTPUT_FORMAT",
+        "cloudevents",
+        "`cloudevents` (CloudEvents binary headers, protobuf value) or `schema-registry`: outcome values "
+        "also framed in the Schema Registry wire format for `KafkaProtobufDeserializer` consumers, the "
+        "schema registered at start-up under `<outcomes topic>-value` (needs "
+        "`SANDBOX_LANES_SCHEMA_REGISTRY_URL`)",
     ),
     Setting(
         "SANDBOX_LANES_REDRIVE_MAX",
@@ -501,6 +510,16 @@ def _registry_url(env: Mapping[str, str]) -> str:
     return url.rstrip("/")
 
 
+def _output_format(env: Mapping[str, str]) -> str:
+    chosen = _choice(env, "SANDBOX_LANES_OUTPUT_FORMAT", OUTPUT_FORMATS)
+    if chosen == "schema-registry" and not _get(env, "SANDBOX_LANES_SCHEMA_REGISTRY_URL"):
+        raise ConfigError(
+            "SANDBOX_LANES_OUTPUT_FORMAT=schema-registry needs SANDBOX_LANES_SCHEMA_REGISTRY_URL "
+            "(the outcomes' schema is registered there at start-up)"
+        )
+    return chosen
+
+
 def _installation(env: Mapping[str, str]) -> str:
     """``SANDBOX_LANES_INSTALLATION``, else the consumer group: a label value either way."""
     name = "SANDBOX_LANES_INSTALLATION"
@@ -724,6 +743,8 @@ class Settings:
     revision: str = ""
     #: A Confluent-compatible Schema Registry's base URL; "" = none (docs/input-formats.md).
     schema_registry_url: str = ""
+    #: ``cloudevents`` or ``schema-registry`` (outcomes framed for ``KafkaProtobufDeserializer``).
+    output_format: str = "cloudevents"
     #: ``sandbox-lanes redrive`` parks a dead letter re-driven this many times.
     redrive_max: int = 3
 
@@ -878,5 +899,6 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         kafka_security=_kafka_security(env),
         revision=_get(env, "SANDBOX_LANES_REVISION"),
         schema_registry_url=_registry_url(env),
+        output_format=_output_format(env),
         redrive_max=_int(env, "SANDBOX_LANES_REDRIVE_MAX", 1),
     )

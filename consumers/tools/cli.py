@@ -56,8 +56,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        from consumers.tools.output_schemas import register_output_schemas
+
+        registering = asyncio.ensure_future(register_output_schemas(settings, log))
+
+        def stop() -> None:  # a stop while the registry is waited for ends the wait too
+            registering.cancel()
+            composed.pod.request_stop()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, composed.pod.request_stop)
+            loop.add_signal_handler(sig, stop)
+        try:
+            await registering
+        except asyncio.CancelledError:
+            if not registering.cancelled():
+                raise
+            if composed.provisioner is not None:
+                await composed.provisioner.close()
+            return
         from consumers.ops.reaper import start_periodic_reaper  # SANDBOX_LANES_REAP_INTERVAL_S (0 = off)
 
         start_periodic_reaper(settings, composed)  # the pod awaits it within its shutdown bound
