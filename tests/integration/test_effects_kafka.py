@@ -195,13 +195,34 @@ async def test_records_fetched_while_the_take_over_still_fences_wait_for_the_fen
     first.kill9()
     await produce(kafka_bootstrap, env, *(wf_created(e) for e in later))
 
+    from aiokafka import AIOKafkaConsumer
+
     from consumers.runtime.kafka.sink import PartitionSinks
 
     open_sinks = PartitionSinks.open
+    # The pod's fetches: how many returned, and the partition numbers each handed records of.
+    fetches: list[set[int]] = []
+    getmany = AIOKafkaConsumer.getmany
+
+    async def counted_getmany(self: AIOKafkaConsumer, *args: Any, **kwargs: Any) -> Any:
+        fetched = await getmany(self, *args, **kwargs)
+        fetches.append({tp.partition for tp, records in fetched.items() if records})
+        return fetched
 
     async def slow_open(self: PartitionSinks, partitions: Iterable[int]) -> None:
-        await asyncio.sleep(3.0)  # the fetcher has the partitions' records by now
+        """The fence held until the pod's loop has fetched three times meanwhile: had the partitions
+        not been held back, their records (produced before the pod started) were handed out by now."""
+        wanted = set(partitions)
+        first = len(fetches)
+        deadline = asyncio.get_running_loop().time() + 30
+        while len(fetches) < first + 3:
+            assert asyncio.get_running_loop().time() < deadline, f"{len(fetches) - first} fetches in 30 s"
+            await asyncio.sleep(0.05)
+        handed = [f & wanted for f in fetches[first:] if f & wanted]
+        assert handed == [], f"records of partitions being taken over were handed out: {handed}"
         await open_sinks(self, partitions)
+
+    monkeypatch.setattr(AIOKafkaConsumer, "getmany", counted_getmany)
 
     monkeypatch.setattr(PartitionSinks, "open", slow_open)
     # Calls longer than the fence's wait: resumed too early, they would still run when it ends.

@@ -2,7 +2,8 @@
 
 - A phase change whose create is held back on its partition (here by a producer's transaction left
   open past the old 30 s give-up, so a read_committed consumer cannot get past it) waits for the
-  create however long that takes, and is applied after it: never dead-lettered as "unknown".
+  create however long that takes, and is applied after it: never dead-lettered as "unknown"; a create
+  of another producer whose clock runs ahead, applied before, does not release it.
 - A record whose type is not the one its topic carries is dead-lettered at once, with the reason,
   and the records behind it go on.
 - A producer whose clock runs ahead (its event stamps and record timestamps alike) cannot make the
@@ -24,6 +25,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from confluent_kafka import Producer
 
 from consumers.ops.settings import load_settings
+from consumers.runtime.create_order import CreateOrderGate
 from consumers.tools.replay.command import lane_config
 from consumers.tools.replay.derive import replay
 from events.codec import encode
@@ -86,10 +88,24 @@ async def _dead_letters(bootstrap: str, env: dict[str, str]) -> list[dict[str, s
     return [r.headers for r in await read_topic(bootstrap, topic, settle_s=0.2, timeout_s=5)]
 
 
+#: How far ahead of the others another producer's clock runs (inside the pod's 300 s allowance, so
+#: its create is applied, not dead-lettered as from the future).
+SKEW_MS = 120_000
+
+
+def _gate(pod: Any) -> CreateOrderGate:
+    gate = getattr(pod, "_create_gate", None)
+    assert isinstance(gate, CreateOrderGate), "the pod's create-order gate is not where the test looks"
+    return gate
+
+
 @pytest.mark.timeout(240)
 async def test_a_phase_change_waits_for_its_create_held_back_longer_than_the_old_timeout(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
+    """Also under a skewed producer (issue 42, 6): another producer, whose clock runs two minutes
+    ahead, had a create applied on the same partition before; its later stamp must not release the
+    phase change (it did: the phase change was dead-lettered as an unknown execution at once)."""
     env = _env(kafka_bootstrap, tmp_path)
     await create_inputs(env)
     topics = load_settings(env).topics
@@ -100,6 +116,25 @@ async def test_a_phase_change_waits_for_its_create_held_back_longer_than_the_old
     plain = await _producer(kafka_bootstrap)
     try:
         async with running_pod(env) as composed:
+            pod = composed.pod
+            gate = _gate(pod)
+            # Another producer's create, stamped (record and event alike) two minutes ahead: applied.
+            skewed_id = f"wf-skewed-{uuid.uuid4().hex[:8]}"
+            ahead_ms = int(time.time() * 1000) + SKEW_MS
+            skewed_event = wf_created(skewed_id)
+            skewed_event.meta.occurred_at.FromMilliseconds(ahead_ms)
+            skewed = encode(skewed_event, source="another-producer-two-minutes-ahead")
+            await plain.send_and_wait(
+                topics.execution_created,
+                skewed.value,
+                key=skewed.key,
+                headers=skewed.headers,
+                timestamp_ms=ahead_ms,
+            )
+            assert [type(o) for o in await _outcomes(kafka_bootstrap, env, skewed_id, 1)] == [
+                outcomes_pb2.SandboxProvisioned
+            ]
+            consumed_before = sum(pod.stats.consumed.values())
             # The create is produced first, inside a transaction left open: the partition's last
             # stable offset stays below it, so the pod cannot read it (nor anything after it there).
             await holder.begin_transaction()
@@ -110,24 +145,29 @@ async def test_a_phase_change_waits_for_its_create_held_back_longer_than_the_old
                 )
             )
             phase = encode(wf_terminal(execution_id))
-            await plain.send_and_wait(topics.phase_changed, phase.value, key=phase.key, headers=phase.headers)
-            pod = composed.pod
-            # Positive barrier: the pod has looked at the phase change and holds it (counted only once
-            # it is applied or dead-lettered), and its loop keeps turning.
+            sent = await plain.send_and_wait(
+                topics.phase_changed, phase.value, key=phase.key, headers=phase.headers
+            )
+            # Positive barrier: the pod has looked at the phase change and its gate holds it.
+            deadline = time.monotonic() + 30
+            while not gate.holds(sent.topic, sent.partition, sent.offset):
+                assert pod.stats.dead_lettered == 0, "the phase change was dead-lettered, not held"
+                assert time.monotonic() < deadline, "the pod never looked at the phase change"
+                await asyncio.sleep(0.05)
             held_at = time.monotonic()
             while time.monotonic() - held_at < HELD_BACK_S:
-                assert pod.stats.dead_lettered == 0, (
-                    "the phase change was dead-lettered while its create was held"
-                )
+                assert gate.holds(sent.topic, sent.partition, sent.offset), "the phase change was let go"
+                assert pod.stats.dead_lettered == 0, "the phase change was dead-lettered while its create was held"
                 assert pod.health().alive, pod.health()
                 await asyncio.sleep(1.0)
-            assert sum(pod.stats.consumed.values()) == 0, pod.stats.consumed
+            assert sum(pod.stats.consumed.values()) == consumed_before, pod.stats.consumed
             await holder.commit_transaction()
             outcomes = await _outcomes(kafka_bootstrap, env, execution_id, 2)
             assert [type(o) for o in outcomes] == [
                 outcomes_pb2.SandboxProvisioned,
                 outcomes_pb2.SandboxDeprovisioned,
             ], outcomes
+            assert not gate.holds(sent.topic, sent.partition, sent.offset)
             assert pod.stats.dead_lettered == 0
         assert await _dead_letters(kafka_bootstrap, env) == []
     finally:
