@@ -433,3 +433,13 @@ def test_discard_throws_the_partition_away(make, tmp_path: Path) -> None:  # typ
         assert not (tmp_path / "state" / "0").exists() and (tmp_path / "state" / "1").is_dir()
         store.adopt([0])  # a database opened again there is a new, empty one
         assert store.get(0, "a") is None and store.checkpoint_of(0) is None
+
+
+def test_a_database_failing_as_it_opens_is_rebuilt_at_once_in_the_same_process(tmp_path: Path) -> None:
+    """Its count is read as it opens: a damaged block there fails the open, and the fresh database
+    at the same path opens right away (the damaged one let go of RocksDB's LOCK, not left it to the
+    traceback holding it)."""
+    db = _seeded(tmp_path, n=50)
+    (sst,) = db.glob("*.sst")
+    _scribble(sst, 0.0, sst.stat().st_size // 2)  # the one data block: every key's, m:count's too
+    assert _prepared(tmp_path, Bounds(0, 45)) == (0, False, {0: "corrupt"})

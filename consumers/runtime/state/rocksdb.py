@@ -123,7 +123,13 @@ class _Partition:
         self.path = path
         path.mkdir(parents=True, exist_ok=True)
         self.db = Rdict(str(path), options)
-        raw = self.db.get(_COUNT)
+        try:
+            raw = self.db.get(_COUNT)
+        except BaseException:
+            # Closed here, not when the exception's traceback lets go of it: RocksDB keeps the
+            # database's LOCK taken in this process till then, and its rebuild could not open.
+            self.db.close()
+            raise
         self.count = int(raw) if raw else 0
         #: Per key, the values applied since the checkpoint (None: a tombstone), oldest first.
         self.pending: dict[str, list[bytes | None]] = {}
@@ -173,7 +179,8 @@ class RocksDBStore:
         self._memtables = WriteBufferManager(MEMTABLES_BYTES, False)
         self._cache = Cache(BLOCK_CACHE_BYTES)
         self._delete_retention_ms = DEFAULT_DELETE_RETENTION_MS
-        #: Partitions thrown away by :meth:`discard`, with why: the next restore reports them rebuilt.
+        #: Partitions thrown away (:meth:`discard`, or a restore that could not rebuild them), with
+        #: why: the restore that rebuilds them reports them (and the pod counts them) once.
         self._discarded: dict[int, str] = {}
 
     # --- reads -------------------------------------------------------------------------------
@@ -357,13 +364,16 @@ class RocksDBStore:
             if part is not None:
                 _close_quietly(part)
             self._throw_away(p, reason, rebuilt)
-        self._discarded.update(rebuilt)
+        for p, why in rebuilt.items():  # the first reason stands until the partition is rebuilt
+            self._discarded.setdefault(p, why)
 
     def _throw_away(self, partition: int, reason: str, rebuilt: dict[int, str], detail: str = "") -> None:
         """Delete a partition's database (closed), whatever is at its path; logged once, noted in
         ``rebuilt``. What cannot be deleted makes the partition's next open fail, so it is not used."""
         reason = reason if reason in REBUILD_REASONS else "other"
         path = self._path(partition)
+        # Told once: not again for what a rebuild that failed left (its partition is already noted).
+        again = partition in rebuilt or partition in self._discarded
         try:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -371,8 +381,9 @@ class RocksDBStore:
                 path.unlink()
         except OSError as exc:
             detail = f"{detail}; deleting it failed: {exc}" if detail else f"deleting it failed: {exc}"
-        rebuilt[partition] = reason
-        logger.warning(
+        rebuilt.setdefault(partition, reason)
+        logger.log(
+            logging.DEBUG if again else logging.WARNING,
             "local state thrown away: the partition is rebuilt from the state topic",
             extra={"partition": partition, "reason": reason, **({"error": detail} if detail else {})},
         )
@@ -521,6 +532,8 @@ class RocksDBStore:
             if not todo:
                 break
         self._parts.update(opened)
+        for p, fault in failed.items():  # reported (and counted) by the restore that rebuilds it
+            self._discarded[p] = rebuilt.get(p, fault.reason)
         report = RestoreReport(
             len(opened),
             records,
