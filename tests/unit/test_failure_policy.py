@@ -116,3 +116,38 @@ def test_a_million_failures_of_the_world_in_a_row_are_waited_out_within_the_cap(
         worst = max(worst, episode.failed("down"))
     assert 0.0 < worst <= 5.0
     assert episode.in_a_row == 1_000_000
+
+
+def test_the_table_in_the_guarantees_is_the_policy() -> None:
+    """docs/guarantees.md "The world, waited out" shows the table a newcomer reads: it must be the
+    code's, cell for cell."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "guarantees.md").read_text()
+    section = text[text.index("## The world, waited out") :]
+    rows = [line for line in section.splitlines() if line.startswith("| **")]
+    header = next(line for line in section.splitlines() if line.startswith("| site \\ fault"))
+    faults = [Fault(cell.strip()) for cell in header.strip("|").split("|")[1:]]
+    shown = {
+        "stand down": Action.STAND_DOWN,
+        "retake": Action.RETAKE,
+        "rest": Action.REST,
+        "renew producer, rest": Action.REST,
+        "rebuild": Action.REBUILD,
+        "rebuild local state": Action.REBUILD,
+        "rebuild, go on": Action.REBUILD,
+        "carry on": Action.CARRY_ON,
+        "dead letter (located, see Bad input)": Action.DEAD_LETTER,
+    }
+    seen = set()
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        site = Site(cells[0].strip("*").split("**")[0].strip())
+        seen.add(site)
+        for fault, cell in zip(faults, cells[1:], strict=True):
+            action = decide(site, fault).action
+            if cell.startswith("small steps"):
+                assert action is Action.ONE_RECORD, (site, fault)
+            else:
+                assert shown[cell] is action, (site, fault, cell)
+    assert seen == set(Site)
