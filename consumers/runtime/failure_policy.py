@@ -140,6 +140,12 @@ def classify(exc: BaseException, *, abandoned: bool = False) -> Fault:
     return Fault.WORLD
 
 
+def parse_fault(exc: BaseException) -> bool:
+    """A fetch failed for a record the client cannot parse (the policy: locate it, dead-letter it),
+    not for the world (re-raised: the caller's loop rests)."""
+    return decide(Site.FETCH, classify(exc)).action is Action.DEAD_LETTER
+
+
 @dataclass(frozen=True)
 class History:
     """What the policy needs to know of the failures before this one: how many times in a row

@@ -24,7 +24,7 @@ from consumers.runtime.backpressure import FetchThrottle
 from consumers.runtime.commit_book import CommitBook
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
-from consumers.runtime.failure_policy import Action, Site, classify, decide
+from consumers.runtime.failure_policy import Action, Site, classify, decide, parse_fault
 from consumers.runtime.kafka.unparsable import fetch_around_unparsable
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.ownership import Ownership
@@ -140,7 +140,7 @@ class Turns:
             )
             return fetched
         except Exception as exc:
-            if decide(Site.FETCH, classify(exc)).action is not Action.DEAD_LETTER:
+            if not parse_fault(exc):
                 raise
             self.metrics.unparsable.inc()
             paused = consumer.paused()

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
-from consumers.runtime.kafka.failures import is_deterministic
+from consumers.runtime.failure_policy import parse_fault
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.kafka.unparsable import fetch_around_unparsable
 
@@ -76,7 +76,7 @@ async def read_range(
         try:
             batch = await consumer.getmany(*pending, timeout_ms=500, max_records=10_000)
         except Exception as exc:
-            if not is_deterministic(exc):
+            if not parse_fault(exc):
                 raise
             # A record the client cannot parse: its place comes as a placeholder.
             batch, _ = await fetch_around_unparsable(

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
-from consumers.runtime.kafka.failures import is_deterministic
+from consumers.runtime.failure_policy import parse_fault
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
@@ -86,7 +86,7 @@ async def _locate(
         try:
             got = await consumer.getmany(tp, timeout_ms=poll_ms, max_records=1)
         except Exception as exc:
-            if not is_deterministic(exc):
+            if not parse_fault(exc):
                 raise
             return ahead, _failed_offset(consumer, tp, position), exc
         records = got.get(tp, [])
@@ -118,7 +118,7 @@ async def fetch_around_unparsable(
             try:
                 got = await consumer.getmany(tp, timeout_ms=poll_ms, max_records=max_records)
             except Exception as exc:
-                if not is_deterministic(exc):
+                if not parse_fault(exc):
                     raise
                 await rewind(tp)
                 ahead, bad, cause = await _locate(consumer, tp, poll_ms)
