@@ -246,5 +246,6 @@ async def test_a_damaged_state_directory_costs_a_rebuild_never_a_sandbox(
     print(
         f"\n[disk fault {fault}] ready {ready_s:.2f} s after the restart; thrown away {sorted(thrown)};"
         f" restores {[(r.get('records'), r.get('fromCheckpoint'), r.get('rebuilt'), r.get('seconds')) for r in restored]};"
+        f" loop stalls {sum(1 for r in lines if r.get('msg', '').startswith('event loop stood still'))};"  # type: ignore[union-attr]
         f" case {time.monotonic() - started:.1f} s"
     )

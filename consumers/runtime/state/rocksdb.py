@@ -54,6 +54,7 @@ import shutil
 import struct
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,11 @@ class RocksDBStore:
         #: Partitions thrown away (:meth:`discard`, or a restore that could not rebuild them), with
         #: why: the restore that rebuilds them reports them (and the pod counts them) once.
         self._discarded: dict[int, str] = {}
+        #: Closes and deletes thrown-away databases off the caller's thread (see :meth:`_throw_away`).
+        self._disposal: ThreadPoolExecutor | None = None
+        #: Per partition, its thrown-away database's disposal: its next open waits for it (RocksDB
+        #: holds a database's LOCK in the process until it is closed).
+        self._closing: dict[int, Future[None]] = {}
 
     # --- reads -------------------------------------------------------------------------------
 
@@ -360,27 +366,32 @@ class RocksDBStore:
         the topic (reporting them in :attr:`RestoreReport.rebuilt`)."""
         rebuilt: dict[int, str] = {}
         for p in sorted(set(partitions)):
-            part = self._parts.pop(p, None)
-            if part is not None:
-                _close_quietly(part)
-            self._throw_away(p, reason, rebuilt)
+            self._throw_away(p, reason, rebuilt, part=self._parts.pop(p, None))
         for p, why in rebuilt.items():  # the first reason stands until the partition is rebuilt
             self._discarded.setdefault(p, why)
 
-    def _throw_away(self, partition: int, reason: str, rebuilt: dict[int, str], detail: str = "") -> None:
-        """Delete a partition's database (closed), whatever is at its path; logged once, noted in
-        ``rebuilt``. What cannot be deleted makes the partition's next open fail, so it is not used."""
+    def _throw_away(
+        self,
+        partition: int,
+        reason: str,
+        rebuilt: dict[int, str],
+        detail: str = "",
+        *,
+        part: _Partition | None = None,
+    ) -> None:
+        """Delete a partition's database, whatever is at its path; logged once, noted in ``rebuilt``.
+
+        ``part``: the database, still open. It is closed and deleted on the store's disposal thread,
+        and the partition's next open waits for that: a database in RocksDB's error state (a full
+        disk) takes a second to close, not to be spent on the event loop. What cannot be deleted
+        makes the partition's next open fail, so it is never used.
+        """
         reason = reason if reason in REBUILD_REASONS else "other"
-        path = self._path(partition)
         # Told once: not again for what a rebuild that failed left (its partition is already noted).
         again = partition in rebuilt or partition in self._discarded
-        try:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            elif path.exists() or path.is_symlink():
-                path.unlink()
-        except OSError as exc:
-            detail = f"{detail}; deleting it failed: {exc}" if detail else f"deleting it failed: {exc}"
+        if self._disposal is None:
+            self._disposal = ThreadPoolExecutor(1, thread_name_prefix="state-disposal")
+        self._closing[partition] = self._disposal.submit(_dispose, part, self._path(partition))
         rebuilt.setdefault(partition, reason)
         logger.log(
             logging.DEBUG if again else logging.WARNING,
@@ -390,6 +401,10 @@ class RocksDBStore:
 
     def close(self) -> None:
         self.drop(list(self._parts))
+        if self._disposal is not None:  # what was thrown away is gone when the store is closed
+            self._disposal.shutdown(wait=True)
+            self._disposal = None
+            self._closing.clear()
 
     def adopt(self, partitions: Iterable[int]) -> None:
         """Open the partitions' databases as they are on disk, reading no topic (tools and tests;
@@ -407,6 +422,9 @@ class RocksDBStore:
         return self.directory / str(partition)
 
     def _open(self, partition: int) -> _Partition:
+        disposal = self._closing.pop(partition, None)
+        if disposal is not None:
+            disposal.result()  # never raises: it logs what it could not do
         with guarded(partition, writing=True):
             return _Partition(self._path(partition), _options(self._memtables, self._cache))
 
@@ -526,8 +544,6 @@ class RocksDBStore:
             opened.update(got)
             records += n
             resumed += from_checkpoint
-            for p, fault in failed.items():
-                self._throw_away(p, fault.reason, rebuilt, fault.detail)
             todo = sorted(failed)
             if not todo:
                 break
@@ -570,6 +586,7 @@ class RocksDBStore:
         failed, records read, partitions resumed from a checkpoint)."""
         opened: dict[int, _Partition] = {}
         failed: dict[int, StateStoreFault] = {}
+        broken: dict[int, _Partition] = {}
         records = resumed = 0
         try:
             async with ChangelogReader(
@@ -599,7 +616,7 @@ class RocksDBStore:
                             self._fold(target, p, recs, seen_at)
                     except StateStoreFault as fault:
                         failed[p] = fault
-                        _close_quietly(opened.pop(p))
+                        broken[p] = opened.pop(p)  # closed when thrown away
                     await asyncio.sleep(0)
                 ends = reader.ends()
             for p, part in list(opened.items()):
@@ -610,11 +627,13 @@ class RocksDBStore:
                         mark(part.path, self.topic, p)
                 except StateStoreFault as fault:
                     failed[p] = fault
-                    _close_quietly(opened.pop(p))
+                    broken[p] = opened.pop(p)
         except BaseException:
-            for part in opened.values():
+            for part in [*opened.values(), *broken.values()]:
                 _close_quietly(part)
             raise
+        for p, failure in failed.items():
+            self._throw_away(p, failure.reason, rebuilt, failure.detail, part=broken.get(p))
         return opened, failed, records, resumed
 
     def _prepare(
@@ -782,6 +801,21 @@ def proven(
             return None
         matched[key] = writes.index(value)
     return matched
+
+
+def _dispose(part: _Partition | None, path: Path) -> None:
+    """Close a thrown-away database and delete whatever is at its path (the disposal thread's job)."""
+    if part is not None:
+        _close_quietly(part)
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+    except OSError as exc:  # its next open fails on what is left: a fault, so never used
+        logger.warning(
+            "deleting a thrown-away state database failed", extra={"path": str(path), "error": repr(exc)}
+        )
 
 
 def _close_quietly(part: _Partition) -> None:
