@@ -134,9 +134,9 @@ class CommitBook:
             episode.recovered()
         self.gate.committed(partition)
         for tp, offset in txn.offsets.items():
-            ownership.stand_at(tp, offset)
+            ownership.positions.stand_at(tp, offset)
         for tp, offset in txn.held.items():
-            ownership.stand_at(tp, offset, seek=True)
+            ownership.positions.stand_at(tp, offset, seek=True)
         try:
             ownership.store.apply(
                 partition, txn.overlay, txn.sink.written(self.config.topics.state, partition)
@@ -155,7 +155,7 @@ class CommitBook:
         for rec in txn.attempted:
             self.doomed.pop(record_ref(rec), None)
         suspect = self.suspects.get(partition)
-        if suspect is not None and txn.limit != 0 and suspect.passed(ownership.standing):
+        if suspect is not None and txn.limit != 0 and suspect.passed(ownership.positions.standing):
             del self.suspects[partition]  # every record of the batch that failed is behind it
         now = time.monotonic()
         for key, effect_id, command in txn.decided:
@@ -203,7 +203,7 @@ class CommitBook:
         if self.stats.commits_failing_since is None:
             self.stats.commits_failing_since = self.stats.last_commit_failure
         error = describe(exc)
-        self.ownership.seek_to_first(batch)
+        self.ownership.positions.seek_to_first(batch)
         if classify(exc) is not Fault.FENCED and not sink.abandoned:
             with contextlib.suppress(Exception):
                 await sink.abort()

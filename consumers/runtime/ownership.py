@@ -19,10 +19,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal, TypeVar
 
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from consumers.runtime.effects import EffectRunner
 from consumers.runtime.failure_policy import Action, Site, classify, decide
@@ -30,6 +30,7 @@ from consumers.runtime.kafka.sink import BatchSink, PartitionSinks
 from consumers.runtime.kafka.txn_producer import DEADLINE_GRACE_S
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod_config import PodConfig, PodStats
+from consumers.runtime.positions import Positions
 from consumers.runtime.stall_guard import StallGuard
 from consumers.runtime.state.interface import StateStoreFault
 from consumers.runtime.state.recovery import restore_and_resume
@@ -39,7 +40,6 @@ from resilience.episode import Episode, describe
 logger = logging.getLogger("sandbox_lanes.pod")
 
 _T = TypeVar("_T")
-Records = list[ConsumerRecord[bytes, bytes]]
 
 #: Why the pod forgets partitions (see :meth:`Ownership.forget`).
 Forgotten = Literal["released", "take-over failed", "fenced", "abandoned"]
@@ -98,12 +98,8 @@ class Ownership:
         self.owned: set[int] = set()
         #: Partitions whose writer was fenced: nothing of theirs runs until the group reassigns them.
         self.fenced: set[int] = set()
-        #: Where the take-over sought each partition: records fetched before that seek differ.
-        self.sought: dict[TopicPartition, int] = {}
-        #: Where the pod stands on each owned input partition: the next offset to read, as its last
-        #: commit (or its take-over) left it. Kept locally: a rewind needs no broker round trip, and
-        #: it cannot read an unstable committed offset just after a transaction.
-        self.standing: dict[TopicPartition, int] = {}
+        #: Where the pod stands on each owned input partition (kept locally), and the take-over's seeks.
+        self.positions = Positions(self.bounded)
         #: Set when a partition was fenced: the loop re-subscribes between turns, which rejoins.
         self.rejoin = False
         #: Owned partitions whose state is being read (a take-over's, or a rebuild's): not fetched.
@@ -237,9 +233,7 @@ class Ownership:
                 raise RuntimeError("partitions revoked while being taken over")
             for tp, offset in zip(tps, offsets, strict=True):
                 if offset is not None and offset >= 0:
-                    self.consumer.seek(tp, offset)
-                    self.sought[tp] = offset
-                    self.standing[tp] = offset
+                    self.positions.taken_over(tp, offset)
             self.effects.own(partitions)
             self.owned |= partitions
             self.restoring |= partitions
@@ -332,8 +326,7 @@ class Ownership:
             self.fenced |= partitions
         else:
             self.fenced -= partitions
-        self.sought = {tp: o for tp, o in self.sought.items() if tp.partition not in partitions}
-        self.standing = {tp: o for tp, o in self.standing.items() if tp.partition not in partitions}
+        self.positions.forget(partitions)
         self.effects.disown(partitions)
         self.store.drop(partitions)
         for p in partitions:
@@ -400,56 +393,6 @@ class Ownership:
             return None
         episode.recovered()
         return self.sinks.get(partition)
-
-    # --- positions -----------------------------------------------------------------------------
-
-    async def rewind(self, tp: TopicPartition) -> None:
-        """Back to where the pod stands on ``tp`` (every turn leaves it at its last commit)."""
-        assert self.consumer is not None
-        standing = self.standing.get(tp)
-        if standing is not None:
-            self.consumer.seek(tp, standing)
-            return
-        # Nothing committed yet when it was taken over (auto_offset_reset=earliest): the beginning.
-        await self.bounded(self.consumer.seek_to_beginning(tp))
-
-    def seek_back(self, fetched: Mapping[TopicPartition, Records]) -> None:
-        """Records that were not decided are read again (from where the pod stands)."""
-        assert self.consumer is not None
-        for tp, recs in fetched.items():
-            if not recs or tp.partition not in self.owned:
-                continue  # not owned: its take-over seeks it
-            with contextlib.suppress(Exception):  # revoked meanwhile: its next owner reads it
-                self.consumer.seek(tp, self.standing.get(tp, recs[0].offset))
-
-    def seek_to_first(self, batch: Mapping[TopicPartition, Records]) -> None:
-        """A batch that was not committed: each partition back to its first record."""
-        assert self.consumer is not None
-        for tp, records in batch.items():
-            with contextlib.suppress(Exception):
-                self.consumer.seek(tp, records[0].offset)
-
-    def stand_at(self, tp: TopicPartition, offset: int, *, seek: bool = False) -> None:
-        """A commit moved the pod's position on ``tp``."""
-        self.standing[tp] = offset
-        if seek and self.consumer is not None:
-            with contextlib.suppress(Exception):
-                self.consumer.seek(tp, offset)
-
-    async def drained_before_seek(self, tp: TopicPartition, recs: Records) -> bool:
-        """Were these records drained before the take-over sought the partition?
-
-        Such records start below the committed offset the take-over read (the previous owner
-        committed them meanwhile), or the seek has since moved the position back over them.
-        The first batch that passes ends the check for the partition.
-        """
-        assert self.consumer is not None
-        sought = self.sought[tp]
-        position = await self.consumer.position(tp)  # known after a seek: returns at once
-        if recs[0].offset < sought or position <= recs[-1].offset:
-            return True
-        del self.sought[tp]
-        return False
 
     # --- stopping ------------------------------------------------------------------------------
 

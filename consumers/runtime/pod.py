@@ -229,7 +229,7 @@ class Pod:
         self._config_record = record_lane_config_soon(cfg, self.processor.config)  # beside the start
         consumer = group_consumer_for(cfg)
         await consumer.start()
-        self.ownership.consumer = consumer
+        self.ownership.consumer = self.ownership.positions.consumer = consumer
         self.ownership.sinks = PartitionSinks(
             consumer,
             cfg.group_id,

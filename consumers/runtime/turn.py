@@ -152,7 +152,7 @@ class Turns:
             fetched, doomed = await fetch_around_unparsable(
                 consumer,
                 candidates,
-                self.ownership.rewind,
+                self.ownership.positions.rewind,
                 poll_ms=max(self.config.poll_timeout_ms, _PROBE_MS),
                 max_records=self.config.max_batch,
             )
@@ -199,13 +199,14 @@ class Turns:
                     continue
                 if not ownership.fetchable(tp.partition):
                     if ownership.active(tp.partition):  # being restored: read again once held
-                        ownership.seek_back({tp: recs})
+                        ownership.positions.seek_back({tp: recs}, ownership.owned)
                     continue
-                if tp in ownership.sought and await ownership.drained_before_seek(tp, recs):
+                if await ownership.positions.drained_before_seek(tp, recs):
                     continue  # the fetch resumes at the take-over's seek
                 work.setdefault(tp.partition, ({}, []))[0][tp] = recs
         except BaseException:
-            ownership.seek_back(fetched)  # nothing of the fetch was decided: it is read again
+            # Nothing of the fetch was decided: it is read again.
+            ownership.positions.seek_back(fetched, ownership.owned)
             raise
         async with ownership.batch_lock:
             completions, self.book.retry = [*self.book.retry, *self.effects.take()], []
@@ -276,7 +277,7 @@ class Turns:
         if sink is None or not ownership.active(partition):
             # Not (or no longer) ours, or its producer cannot be opened now: the records go back;
             # the results wait (void if disowned: the effect runner drops them with the epoch).
-            ownership.seek_to_first(batch)
+            ownership.positions.seek_to_first(batch)
             if ownership.active(partition):
                 book.retry.extend(completions)
             return
@@ -284,7 +285,7 @@ class Turns:
         if book.rests(partition, started):
             # Its last transaction failed for the world's reasons: it rests (backoff) rather than
             # hammer the broker; its records are read again and its results wait.
-            ownership.seek_to_first(batch)
+            ownership.positions.seek_to_first(batch)
             book.retry.extend(completions)
             return
         completions, limit = book.step(partition, completions)
@@ -327,7 +328,7 @@ class Turns:
                     "handling a failed transaction failed; the next turn tries again",
                     extra={"partition": partition, "error": repr(inner)},
                 )
-                ownership.seek_to_first(batch)
+                ownership.positions.seek_to_first(batch)
                 book.retry.extend(completions)
             return
         book.committed(txn, started)
