@@ -282,11 +282,7 @@ class Ownership:
 
     def discard_state(self, partitions: set[int], reason: str) -> None:
         """Throw the partitions' local state away (the topic is the truth): counted, logged once."""
-        discard = getattr(self.store, "discard", None)
-        if callable(discard):
-            discard(partitions, reason)
-        else:
-            self.store.drop(partitions)
+        self.store.discard(partitions, reason)
 
     def rebuild(self, partition: int, reason: str) -> None:
         """The policy's REBUILD: the partition's local state is thrown away and read again from the
