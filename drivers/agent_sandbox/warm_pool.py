@@ -37,11 +37,18 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final, Protocol
 
 from kubernetes import client as k8s
-from kubernetes.stream import stream
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from drivers.agent_sandbox.claim_watch import ClaimWatch
-from drivers.agent_sandbox.exec_sessions import ExecSessions, Session, feed_and_wait, write_and_wait
+from drivers.agent_sandbox.exec_connect import CONNECT_TIMEOUT_S, close_exec, open_exec
+from drivers.agent_sandbox.exec_sessions import (
+    CLOSE_TIMEOUT_S,
+    EXIT_TIMEOUT_S,
+    ExecSessions,
+    Session,
+    feed_and_wait,
+    write_and_wait,
+)
 from drivers.agent_sandbox.manifests import GROUP, PLURAL, VERSION
 from drivers.agent_sandbox.warm import (
     ANNOTATION_ASSIGNED,
@@ -71,6 +78,7 @@ from drivers.contract import DriverConfig, SandboxCollision, SandboxEnvironment,
 from drivers.kubernetes.driver import APPLY_CONTENT_TYPE, FIELD_MANAGER, WRITE_ATTEMPTS, Found
 from drivers.kubernetes.manifests import CONTAINER_NAME, secret_name
 from drivers.naming import LABEL_SANDBOX_ID, LABEL_SCOPE, is_installations, is_owned_by, sandbox_base_name
+from resilience.backoff import Backoff
 
 
 class PoolDriver(Protocol):
@@ -104,8 +112,10 @@ class PoolDriver(Protocol):
 
 DEFAULT_ADOPT_TIMEOUT_S: Final = 10.0
 ASSIGNMENT_MODES: Final = ("async", "sync")
-#: Exec attempts per delivery (a pod just Ready may not take an exec at once).
+#: Exec attempts per delivery (a pod just Ready may not take an exec at once), the pause before the
+#: next one doubling from ASSIGN_RETRY_S (the one backoff, jittered).
 ASSIGN_ATTEMPTS: Final = 3
+ASSIGN_RETRY_S: Final = 0.2
 #: How long a missed claim may take to go (a foreground delete: its cold-made Sandbox and pod first).
 GONE_TIMEOUT_S: Final = 60.0
 POLL_S: Final = 0.02
@@ -113,10 +123,16 @@ POLL_S: Final = 0.02
 LIST_TIMEOUT_S: Final = 10.0
 #: How long a fresh exec's process may take to write the assignment and end.
 FRESH_EXEC_TIMEOUT_S: Final = 30.0
+#: The most a delivery awaits its fresh exec: the connect's deadline, the process's, the close's, and
+#: time for one of the delivery threads to be free (past it the thread still ends on those deadlines).
+FRESH_EXEC_AWAIT_S: Final = 2 * CONNECT_TIMEOUT_S + FRESH_EXEC_TIMEOUT_S + CLOSE_TIMEOUT_S
+#: The most a delivery awaits its write into a session opened ahead (the process's deadline, the close's).
+SESSION_AWAIT_S: Final = CONNECT_TIMEOUT_S + EXIT_TIMEOUT_S + CLOSE_TIMEOUT_S
 #: With the claim watch up: the longest a delivery waits for a change before it reads its claim anew.
 WATCH_FALLBACK_S: Final = 0.5
 #: A named Sandbox not Ready yet is read again after POLL_S, then 1.5 x longer each time, up to this.
 UNREADY_MAX_S: Final = 0.2
+UNREADY_FACTOR: Final = 1.5
 #: A warm claim's steps, in order (``warm_assignment=async``): its timeline records when each was
 #: reached (``time.monotonic``), and the step histogram observes each one's seconds since the step
 #: before it. ``ensure``: the driver's ensure began; ``claim_created``: the API answered the claim's
@@ -252,23 +268,9 @@ class WarmPool:
         configuration = d.api_client.configuration
 
         def open_session(pod: str) -> Session:
-            exec_client: Any = k8s.ApiClient(configuration)  # one per exec: see _assign_data
-            try:
-                resp: Any = stream(
-                    k8s.CoreV1Api(exec_client).connect_get_namespaced_pod_exec,
-                    pod,
-                    ns,
-                    container=CONTAINER_NAME,
-                    command=assignment_session_command(),
-                    stdin=True,
-                    stdout=True,
-                    stderr=True,
-                    tty=False,
-                    _preload_content=False,
-                )
-            except Exception:
-                exec_client.close()
-                raise
+            exec_client, resp = open_exec(
+                configuration, pod, ns, CONTAINER_NAME, assignment_session_command()
+            )
             return Session(pod, exec_client, resp)
 
         def idle_pods() -> list[str]:
@@ -583,6 +585,7 @@ class WarmPool:
             reason = "not ready in time"
             if sandbox is not None:
                 pod = str(sandbox["metadata"]["name"])
+                retry = Backoff(first_s=ASSIGN_RETRY_S, cap_s=ASSIGN_RETRY_S * 2**ASSIGN_ATTEMPTS)
                 for attempt in range(ASSIGN_ATTEMPTS):
                     try:
                         await self._assign_data(pod, data)
@@ -596,7 +599,7 @@ class WarmPool:
                             )
                             reason, sandbox = "error", None
                         else:
-                            await asyncio.sleep(0.2 * (attempt + 1))
+                            await asyncio.sleep(retry.failed())
             if sandbox is not None:
                 await self._mark_assigned(base, uid)
                 self._step(base, "marked")
@@ -792,7 +795,7 @@ class WarmPool:
         with contextlib.ExitStack() as stack:
             change = stack.enter_context(watch.listening(base)) if watch is not None else None
             fresh = True
-            unready_wait = POLL_S
+            unready = Backoff(first_s=POLL_S, cap_s=UNREADY_MAX_S, factor=UNREADY_FACTOR, jitter=0.0)
             while time.monotonic() - started < self.adopt_timeout_s:
                 if change is not None:
                     change.clear()  # a change from here on wakes the wait below
@@ -822,8 +825,7 @@ class WarmPool:
                     # empty): the watch is on claims, not Sandboxes, so the Sandbox is read again
                     # soon, then less and less often.
                     fresh = False
-                    await asyncio.sleep(unready_wait)
-                    unready_wait = min(unready_wait * 1.5, UNREADY_MAX_S)
+                    await asyncio.sleep(unready.failed())
                     continue
                 if change is not None and watch is not None and watch.synced:
                     left = self.adopt_timeout_s - (time.monotonic() - started)
@@ -840,12 +842,12 @@ class WarmPool:
         session = sessions.take(pod) if sessions is not None else None
         if sessions is None or session is None:
             return False
-        loop = asyncio.get_running_loop()
+        future = sessions.executor.submit(write_and_wait, session, assignment_session_payload(data))
         try:
-            code = await loop.run_in_executor(
-                sessions.executor, write_and_wait, session, assignment_session_payload(data)
-            )
-        except Exception as exc:  # a stream closed under it: a fresh exec does it
+            code = await asyncio.wait_for(asyncio.wrap_future(future), SESSION_AWAIT_S)
+        except Exception as exc:  # a stream closed under it, or past its deadlines: a fresh exec does it
+            if future.cancel():  # never started (no thread free in time): closed here instead
+                sessions.close_later(session)
             self._driver.logger.info(
                 "agent-sandbox exec session failed; handing over with a fresh exec",
                 extra={"pod": pod, "error": type(exc).__name__},
@@ -864,41 +866,24 @@ class WarmPool:
         if await self._hand_over(pod, data):
             return
         d = self._driver
+        configuration, ns = d.api_client.configuration, d.config.kubernetes_namespace
+        command = assignment_command(len(data))
 
         def run() -> int | None:
-            # kubernetes.stream swaps the ApiClient's request method for the call's duration, so an
-            # exec on the shared client would send concurrent REST calls over websockets: a client
-            # of its own per exec.
-            exec_client: Any = k8s.ApiClient(d.api_client.configuration)
-            try:
-                return _exec(k8s.CoreV1Api(exec_client))
-            finally:
-                exec_client.close()
-
-        def _exec(core: Any) -> int | None:
-            resp: Any = stream(
-                core.connect_get_namespaced_pod_exec,
-                pod,
-                d.config.kubernetes_namespace,
-                container=CONTAINER_NAME,
-                command=assignment_command(len(data)),
-                stdin=True,
-                stdout=True,
-                stderr=True,
-                tty=False,
-                _preload_content=False,
-            )
+            """(Blocking, each step with its deadline) a fresh exec that writes the assignment file."""
+            exec_client, resp = open_exec(configuration, pod, ns, CONTAINER_NAME, command)
             try:
                 return feed_and_wait(resp, data, FRESH_EXEC_TIMEOUT_S)
             finally:
-                resp.close()
+                close_exec(exec_client, resp, CLOSE_TIMEOUT_S)
 
         try:
             if self._sessions is not None:
-                code = await asyncio.get_running_loop().run_in_executor(self._sessions.executor, run)
+                future = self._sessions.executor.submit(run)
+                code = await asyncio.wait_for(asyncio.wrap_future(future), FRESH_EXEC_AWAIT_S)
             else:
-                code = await asyncio.to_thread(run)
-        except Exception as exc:  # websocket errors, a Failure status without causes, ...
+                code = await asyncio.wait_for(asyncio.to_thread(run), FRESH_EXEC_AWAIT_S)
+        except Exception as exc:  # websocket errors, a Failure status without causes, past the deadlines, ...
             raise SandboxError(
                 f"agent-sandbox assignment to pod {pod} failed: {type(exc).__name__}"
             ) from None
