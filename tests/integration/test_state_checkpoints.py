@@ -4,10 +4,15 @@
   only the tail; a checkpoint of another topic, an older format, or a topic deleted and created
   again (a new topic id) is refused and the partition is restored in full, with nothing of the
   old topic left in the store.
+* The store's checkpoint moves forward with real transactions at the offsets the broker gave them
+  (each commit to its marker), waits after an aborted transaction of ours, and is moved forward by
+  the proof by reading over the real tail (to the last stable offset, an open transaction past it),
+  after which the commits chain again.
 * A pod on the disk store: its checkpoints move with its commits (to each commit's marker);
   restarted, it reads only the tail and holds exactly what a restore from empty holds; killed -9
-  with its commits past its checkpoints, the next pod reads the longer tail and nothing is lost or
-  provisioned twice.
+  with its commits past its checkpoints (for real: another writer's record holds them back), the
+  next pod reads the longer tail, nothing is lost or provisioned twice, and its own commits move
+  the checkpoints forward again.
 """
 
 from __future__ import annotations
@@ -38,10 +43,14 @@ from tests.support.pod_harness import PodProcess, produce, read_topic, running_p
 pytestmark = [pytest.mark.kafka, pytest.mark.usefixtures("no_leaked_runners")]
 
 
-def _state(key: str, n: int) -> bytes:
+def _message(key: str, n: int) -> state_pb2.ExecutionState:
     return state_pb2.ExecutionState(
         execution_id=key, created=True, kind=common_pb2.WORKFLOW_EXECUTION, phase=n % 3
-    ).SerializeToString()
+    )
+
+
+def _state(key: str, n: int) -> bytes:
+    return _message(key, n).SerializeToString()
 
 
 async def _create(bootstrap: str, topic: str) -> None:
@@ -142,6 +151,78 @@ async def test_the_store_resumes_from_its_checkpoint_and_refuses_one_not_this_to
     store.close()
 
 
+async def test_the_checkpoint_moves_forward_with_real_commits_and_by_the_proof_over_a_real_tail(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """Real transactions on the real broker, their offsets as the broker gave them: a commit whose
+    records start at the checkpoint (or one past: the previous commit's marker) moves it to its own
+    marker; after an aborted transaction of ours the offsets do not chain and the checkpoint waits,
+    until the proof by reading (``checkpoint()``, reading the real tail) moves it to the last stable
+    offset, an open transaction of ours past it; that transaction's commit then chains from there."""
+    topic = f"ckpt-fwd-{uuid.uuid4().hex[:8]}"
+    await _create(kafka_bootstrap, topic)
+    store = RocksDBStore(topic, directory=tmp_path)
+    assert await _restore(store, kafka_bootstrap) == (0, 0, 1)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=kafka_bootstrap, transactional_id=f"ckpt-{uuid.uuid4().hex[:8]}", acks="all"
+    )
+    await producer.start()
+
+    async def send(key: str, n: int) -> int:
+        sent = await producer.send_and_wait(topic, _state(key, n), key=key.encode(), partition=0)
+        return int(sent.offset)
+
+    def applied(offsets: list[int], writes: dict[str, int]) -> None:
+        store.apply(0, {k: _message(k, n) for k, n in writes.items()}, (offsets[0], offsets[-1]))
+
+    def at() -> tuple[int, bool]:
+        found = store.checkpoint_of(0)
+        assert found is not None
+        return int(found["offset"]), bool(found["marker"])
+
+    try:
+        await producer.begin_transaction()
+        t1 = [await send("a", 1), await send("b", 1)]
+        await producer.commit_transaction()
+        applied(t1, {"a": 1, "b": 1})
+        assert at() == (t1[-1] + 1, True)  # its commit marker
+        await producer.begin_transaction()
+        t2 = [await send("a", 2)]
+        await producer.commit_transaction()
+        applied(t2, {"a": 2})
+        assert t2[0] == t1[-1] + 2 and at() == (t2[0] + 1, True)
+        ckpt = at()[0]
+        await producer.begin_transaction()  # aborted: its record and marker take two offsets
+        await send("c", 99)
+        await producer.abort_transaction()
+        await producer.begin_transaction()
+        t3 = [await send("c", 1)]
+        await producer.commit_transaction()
+        applied(t3, {"c": 1})
+        assert t3[0] > ckpt + 1 and at() == (ckpt, True)  # the premise: it does not chain, it waits
+        await producer.begin_transaction()  # open during the proof: the last stable offset is its first
+        t4 = [await send("a", 3)]
+        moved = await store.checkpoint([0])
+        assert moved == {0: t4[0]} and at() == (t4[0], False)  # forward, past the tail it read
+        await producer.commit_transaction()
+        applied(t4, {"a": 3})
+        assert at() == (t4[0] + 1, True)  # chained from where the proof left it
+        await producer.begin_transaction()
+        t5 = [await send("b", 2)]
+        await producer.commit_transaction()
+        applied(t5, {"b": 2})
+        assert at() == (t5[0] + 1, True)
+    finally:
+        await producer.stop()
+        store.close()
+    # Restarted: only the last commit's marker is left to read, and it holds what the topic holds.
+    assert await _restore(store, kafka_bootstrap) == (0, 1, 0)
+    memory = MemoryStore(topic)
+    await memory.restore(kafka_bootstrap, [0])
+    assert _held(store) == _held(memory) and len(store) == 3
+    store.close()
+
+
 def _checkpoint(db: Path) -> dict[str, object]:
     from rocksdict import Options, Rdict
 
@@ -223,9 +304,15 @@ async def test_a_pod_restarted_with_a_checkpoint_reads_only_the_tail_and_holds_w
     )
 
 
-async def test_a_pod_killed_between_its_commits_and_its_checkpoint_loses_and_duplicates_nothing(
+async def test_a_pod_killed_with_its_commits_past_its_checkpoint_loses_and_duplicates_nothing(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
+    """A checkpoint behind the commits for real: another writer's record in each state partition
+    (a tombstone of a key the pod never had) breaks the chain of its commits' offsets, and the proof
+    by reading can never move past it (its last record is not one of the store's writes), so every
+    commit of the first pod lands past its checkpoint. Killed -9 while it commits, the next pod
+    reads the whole tail, loses and duplicates nothing, and its own commits move the checkpoints
+    forward again, to its last commit's marker."""
     env = memory_env(
         kafka_bootstrap,
         tmp_path,
@@ -239,18 +326,23 @@ async def test_a_pod_killed_between_its_commits_and_its_checkpoint_loses_and_dup
     first.start()
     await first.wait_for_log("state restored")
     before = await _ends(kafka_bootstrap, topics.state)
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    await producer.start()
+    try:  # the other writer: one record at each partition's end, before the pod's first commit
+        foreign = {
+            p: (await producer.send_and_wait(topics.state, None, key=b"wfx_never_here", partition=p)).offset
+            for p in (0, 1)
+        }
+    finally:
+        await producer.stop()
+    assert foreign == before  # at the end its restore read to: where its checkpoints are
     await produce(kafka_bootstrap, env, *(wf_created(e) for e in executions))
-    # Killed while it commits (outcomes still coming).
-    await read_topic(kafka_bootstrap, topics.outcomes, at_least=20, timeout_s=60, settle_s=0)
+    # Killed while it commits (outcomes still coming), past a proof by reading or more (each 5 s).
+    await read_topic(kafka_bootstrap, topics.outcomes, at_least=120, timeout_s=60, settle_s=0)
     first.kill9()
-    # Its checkpoints move in the write batch that applies each commit, so a kill lands between a
-    # commit and its checkpoint only for a moment. That moment is made to have happened for every
-    # commit since the start: the checkpoints are put back where its restore left them (the states
-    # applied since stay in the store, as after a crash between the apply and the checkpoint of the
-    # proof by reading), so the next pod has the whole tail to read again.
-    for p in (0, 1):
-        db = tmp_path / "state" / topics.state / str(p)
-        _set_checkpoint(db, {**_checkpoint(db), "offset": before[p]})
+    stuck = {p: int(str(_checkpoint(tmp_path / "state" / topics.state / str(p))["offset"])) for p in (0, 1)}
+    ends = await _ends(kafka_bootstrap, topics.state)
+    assert stuck == before and all(ends[p] > stuck[p] + 20 for p in (0, 1)), (stuck, ends)  # the premise
     second = PodProcess({**env, "SANDBOX_LANES_POD_ID": "pod-b"}, tmp_path / "pod-2.log")
     second.start()
     try:
@@ -261,8 +353,10 @@ async def test_a_pod_killed_between_its_commits_and_its_checkpoint_loses_and_dup
     assert code == 0
     restored = [json.loads(line) for line in second.log().splitlines() if '"state restored"' in line]
     assert restored, second.log()[-2000:]
-    # The premise: it resumed from a checkpoint and read a tail (the commits after it).
-    assert sum(r["fromCheckpoint"] for r in restored) >= 1 and sum(r["records"] for r in restored) >= 20
+    # It resumed from the checkpoints and read the whole tail since (the commits after them).
+    assert sum(r["fromCheckpoint"] for r in restored) == 2
+    behind = [r for r in await read_all(kafka_bootstrap, topics.state) if stuck[r.partition] <= r.offset < ends[r.partition]]
+    assert len(behind) > 40 and sum(r["records"] for r in restored) >= len(behind), (len(behind), restored)
     assert_one_outcome_each(
         await committed_outcomes(kafka_bootstrap, topics.outcomes),
         executions,
@@ -276,5 +370,12 @@ async def test_a_pod_killed_between_its_commits_and_its_checkpoint_loses_and_dup
     try:
         assert _held(disk) == _held(full)
         assert Counter(k for k, _ in disk.items() if k.startswith("wfx_")) == Counter(executions)
+        # The checkpoints moved forward again: past the tail, and where the second pod committed
+        # (a state record of its own past the kill's ends), to its last commit's marker.
+        last = await _ends(kafka_bootstrap, topics.state)
+        written = {r.partition for r in await read_all(kafka_bootstrap, topics.state) if r.offset >= ends[r.partition]}
+        moved = {p: int(str((disk.checkpoint_of(p) or {})["offset"])) for p in (0, 1)}
+        assert written and all(moved[p] >= ends[p] > stuck[p] for p in (0, 1)), (moved, ends, stuck)
+        assert {p: moved[p] for p in written} == {p: last[p] - 1 for p in written}, (moved, last)
     finally:
         disk.close()
