@@ -169,8 +169,8 @@ class ExecSessions:
         """Close ``session`` on a closing thread (it waits for the server's answer: never on the loop)."""
         try:
             self._closer.submit(session.close)
-        except RuntimeError:  # shut down already: nothing else would close it
-            session.close()
+        except RuntimeError:  # shut down already (the pool closing): a thread of its own, then
+            threading.Thread(target=session.close, name="agent-sandbox-close", daemon=True).start()
 
     async def close(self) -> None:
         if self._task is not None:

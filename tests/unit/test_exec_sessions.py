@@ -235,6 +235,44 @@ def test_closing_a_session_never_holds_the_event_loop(server: ExecServer) -> Non
     asyncio.run(run())
 
 
+def test_a_refresh_that_keeps_failing_is_retried_on_the_backoff_and_logged_once(
+    server: ExecServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The API server away for 200 refreshes in a row (its pod list fails), then back: the refresh loop
+    goes on, one ERROR line for the outage, and the sessions are opened once it answers."""
+    from resilience.episode import Episode
+
+    calls = {"n": 0}
+
+    def idle_pods() -> list[str]:
+        calls["n"] += 1
+        if calls["n"] <= 200:
+            raise ConnectionRefusedError("the API server is away")
+        return ["p1"]
+
+    logger = logging.getLogger("test.exec_sessions.outage")
+
+    async def run() -> None:
+        pool = _Pool(server, [])
+        sessions = ExecSessions(pool.sessions._open_session, idle_pods, logger, 2)
+        # the loop's own backoff, its pauses made short so that 200 failures take a moment
+        sessions.retry = Episode("exec sessions' refresh", logger, first_delay_s=0.001, max_delay_s=0.002)
+        with caplog.at_level(logging.DEBUG, logger=logger.name):
+            sessions.start()
+            await _in_thread(server.wait_for, "a session after the outage", lambda: bool(server.of("p1")))
+            deadline = time.monotonic() + 20
+            while len(sessions) != 1:
+                assert time.monotonic() < deadline, "no session after the outage"
+                await asyncio.sleep(0.01)
+            await sessions.close()
+        records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == logger.name]
+        errors = [m for level, m in records if level >= logging.ERROR]
+        assert errors == ["exec sessions' refresh failed; retrying with backoff until it succeeds"]
+        assert sum(1 for level, _ in records if level == logging.DEBUG) == 199  # the others, quiet
+
+    asyncio.run(run())
+
+
 def test_the_session_command_reads_the_length_line_then_exactly_that_many_bytes(tmp_path: Any) -> None:
     import subprocess
 
