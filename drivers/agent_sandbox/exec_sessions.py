@@ -217,7 +217,11 @@ class ExecSessions:
                 del self._sessions[pod]
                 self.close_later(session)
         looked_at = list(self._sessions.values())
-        closed = await self._off_loop(self._opener, lambda: [s for s in looked_at if not s.looks_open()])
+        closed = (
+            await self._off_loop(self._opener, lambda: [s for s in looked_at if not s.looks_open()])
+            if looked_at
+            else []
+        )
         for session in closed:
             if self._sessions.get(session.pod) is session:
                 del self._sessions[session.pod]
