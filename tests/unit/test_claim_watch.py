@@ -118,3 +118,45 @@ def test_a_million_failures_in_a_row_keep_the_claim_watch_alive_with_bounded_pau
         f"\n{OUTAGE:,} failures in a row: pauses {pauses['min']:.2f}-{pauses['max']:.2f} s, "
         f"{pauses['at_cap']:,} at the cap; log lines {len(records)}"
     )
+
+
+class _ClosesAtOnce(_Api):
+    """An API server that lists fine but ends every watch at once, bringing nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+    def list_namespaced_custom_object(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("watch"):
+            self.calls += 1
+            ended = _Events()
+            ended.end()
+            return ended
+        return {"items": [], "metadata": {"resourceVersion": "7"}}
+
+
+def test_a_watch_that_ends_at_once_every_time_is_asked_again_on_the_backoff_not_at_once() -> None:
+    api = _ClosesAtOnce()
+    pauses: list[float] = []
+    done = threading.Event()
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 8:
+            done.set()
+
+    async def run() -> None:
+        watch = ClaimWatch(
+            lambda: api, "ns", "sel", logging.getLogger("test.claim_watch.closes"), pause=pause
+        )
+        watch.start()
+        assert await asyncio.to_thread(done.wait, 30), "the watch never paused"
+        watch.stop()
+        assert watch._thread is not None
+        await asyncio.to_thread(watch._thread.join, 30)
+
+    asyncio.run(run())
+    assert len(pauses) >= 8 and abs(api.calls - len(pauses)) <= 1  # a pause after every watch request
+    unjittered = [RETRY_S * 2**n for n in range(8)]
+    for asked, full in zip(pauses, unjittered, strict=False):
+        assert min(full, RETRY_MAX_S) * 0.75 <= asked <= min(full, RETRY_MAX_S)  # doubling to the cap
