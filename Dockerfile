@@ -20,7 +20,9 @@ COPY consumers ./consumers
 COPY drivers ./drivers
 COPY events ./events
 COPY resilience ./resilience
-RUN /opt/venv/bin/pip install --no-compile . \
+# With the [tracing] extra (OpenTelemetry SDK and OTLP exporter): traces are off until the OTEL_*
+# variables turn them on (docs/operations.md, Tracing).
+RUN /opt/venv/bin/pip install --no-compile ".[tracing]" \
  && find /opt/venv -name '__pycache__' -prune -exec rm -rf {} +
 
 FROM ${PYTHON_IMAGE}

@@ -63,6 +63,16 @@ async def test_the_dockerfile_builds_a_non_root_image_whose_pod_processes_events
         client.containers.run, IMAGE, ["--help"], remove=True, network_mode="host"
     )
     assert "topics" in commands.decode() and "bench" not in commands.decode()
+    # Traces can be turned on: the [tracing] extra is installed (config check builds the tracer).
+    traced = await asyncio.to_thread(
+        client.containers.run,
+        IMAGE,
+        ["config", "check"],
+        remove=True,
+        network_mode="host",
+        environment={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "SANDBOX_LANES_HTTP_PORT": "0"},
+    )
+    assert "configuration ok" in traced.decode()
 
     port = free_port()
     env = unique_env(
