@@ -329,11 +329,14 @@ async def build_story(
             ):
                 evidence[value.applied_event_ids[-1]] = value.config_fingerprint
     dead_letters: dict[tuple[str, int, int], ConsumerRecord[bytes, bytes]] = {}
+    #: A dead letter's place ("topic/partition/offset") -> the input it holds (a re-drive names it).
+    letter_sources: dict[str, tuple[str, int, int]] = {}
     for recs in dlq_recs.values():
         for rec in recs:
             where = source_of_dead_letter(rec.headers)
             if where is not None:
                 dead_letters[where] = rec
+                letter_sources[f"{rec.topic}/{rec.partition}/{rec.offset}"] = where
 
     ordered = merged_inputs(inputs_by_tp, topics)
     fingerprint_of = recorded_fingerprints(ordered, evidence)
@@ -365,6 +368,13 @@ async def build_story(
             "record_time": _iso_ms(rec.timestamp),
             "record_time_ms": rec.timestamp,
         }
+        redriven_from = header(rec.headers, "dlq_redriven_from")
+        if redriven_from:  # written back by `sandbox-lanes redrive`: the dead letter and its original
+            source["redriven_from"] = redriven_from
+            source["redrive_count"] = header(rec.headers, "dlq_redrive_count") or ""
+            original = letter_sources.get(redriven_from)
+            if original is not None:
+                source["original"] = f"{original[0]}[{original[1]}]@{original[2]}"
         letter = dead_letters.get(where)
         reason = header(letter.headers, "dlq_reason") or "" if letter is not None else ""
         fp = fingerprint_of.get(where, "")
@@ -563,6 +573,11 @@ def render_text(story: dict[str, Any]) -> str:
         )
         if inp.get("occurred_at"):
             lines.append(f"   occurred_at {inp['occurred_at']}")
+        if inp.get("redriven_from"):
+            lines.append(
+                f"   re-driven (#{inp.get('redrive_count') or '?'}) from dead letter {inp['redriven_from']}"
+                + (f", the original {inp['original']}" if inp.get("original") else "")
+            )
         if inp.get("new_phase"):
             lines.append(
                 f"   new phase {inp['new_phase']}" + (f", error {inp['error']!r}" if inp.get("error") else "")

@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 
 from consumers.ops.settings import load_settings
+from consumers.tools.explain import explain, render_text
 from consumers.tools.redrive import RedriveReport, print_report, redrive
 from consumers.tools.redrive_plan import REDRIVE_COUNT, REDRIVEN_FROM, Filters
+from consumers.tools.replay.command import lane_config
+from consumers.tools.replay.derive import replay
 from events.codec import new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 from tests.support.pod_harness import (
@@ -114,3 +117,21 @@ async def test_a_dead_letter_is_redriven_once_and_decided_once(kafka_bootstrap: 
         assert "re-driven already" in second.verdicts[0].why
         assert len(await read_topic(kafka_bootstrap, topics.phase_changed, settle_s=0.3, timeout_s=5)) == 2
     assert outcomes_of(records) == ["SandboxProvisioned", "SandboxDeprovisioned"]
+
+    # Replay and explain tell it as one story: the dead letter, the re-drive, the decision.
+    report = await replay(
+        kafka_bootstrap,
+        topics,
+        lane_config(settings),
+        guarantee=settings.guarantee,
+        max_clock_ahead_s=settings.max_clock_ahead_s,
+    )
+    assert report.divergences == [], [d.as_dict() for d in report.divergences]
+    story = await explain(
+        kafka_bootstrap, topics, lane_config(settings), execution, guarantee=settings.guarantee
+    )
+    text = render_text(story)
+    print(text)
+    place = applied.verdicts[0].letter.place
+    assert f"re-driven (#1) from dead letter {place}, the original {topics.phase_changed}[0]@0" in text
+    assert "dead letter: phase-changed for unknown execution" in text
