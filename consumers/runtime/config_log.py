@@ -139,8 +139,8 @@ async def record_lane_config(cfg: PodConfig, lane: LaneConfig) -> None:
     producer = AIOKafkaProducer(
         bootstrap_servers=cfg.bootstrap, acks="all", enable_idempotence=True, **options
     )
-    await producer.start()
     try:
+        await producer.start()  # a failed start is stopped too (no 'Unclosed AIOKafkaProducer')
         await producer.send_and_wait(topic, record.value, key=record.key, headers=record.headers)
     finally:
         await producer.stop()
