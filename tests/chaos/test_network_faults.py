@@ -50,6 +50,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from aiokafka import AIOKafkaClient
 
 from consumers.ops.settings import load_settings
 from tests.support.broker_faults import OrderedFeed, OutcomeWatch, Pods, exactly_once_figures, thread_dump
@@ -449,3 +450,26 @@ async def test_a_network_fault_loses_nothing_duplicates_nothing_and_is_ridden_ou
         print("\n" + text)
     failed = [name for name, ok, _ in checks if not ok]
     assert not failed, text
+
+
+async def test_every_broker_is_reached_through_its_own_proxy(proxied_kafka: ProxiedKafka) -> None:
+    """The harness under the faults: bootstrapped on the proxies, a client is told each broker's proxy
+    (so no connection bypasses one), the direct listener still names the direct ports, and a disabled
+    proxy refuses connections while its broker serves on."""
+    cluster = proxied_kafka.cluster
+
+    async def advertised(bootstrap: str) -> dict[int, int]:
+        client = AIOKafkaClient(bootstrap_servers=bootstrap)
+        await client.bootstrap()
+        try:
+            return {b.nodeId: b.port for b in client.cluster.brokers()}
+        finally:
+            await client.close()
+
+    assert await advertised(proxied_kafka.bootstrap) == {n.node_id: n.proxy_port for n in cluster.nodes}
+    assert await advertised(proxied_kafka.direct_bootstrap) == {n.node_id: n.port for n in cluster.nodes}
+    node = cluster.nodes[0]
+    proxied_kafka.set_enabled(False, nodes=[0])
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", node.proxy_port), timeout=5).close()
+    socket.create_connection(("127.0.0.1", node.port), timeout=5).close()
