@@ -243,6 +243,10 @@ class ExecSessions:
         future = self._opener.submit(self._open_session, pod)
         try:
             session = await asyncio.wait_for(asyncio.wrap_future(future), self._step_timeout_s)
+        except asyncio.CancelledError:  # the pool closing: what the open still brings is closed
+            if not future.cancel():
+                future.add_done_callback(self._close_late_open)
+            raise
         except Exception as exc:  # not ready for an exec yet, gone, or past its deadline
             if not future.cancel():
                 future.add_done_callback(self._close_late_open)
