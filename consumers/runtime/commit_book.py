@@ -256,7 +256,8 @@ class CommitBook:
             return None  # the small steps will tell which part fails
         if completions and not txn.attempted:
             return _result_subject(completions[0].effect_id) if len(completions) == 1 else None
-        return record_ref(txn.attempted[0]) if txn.attempted else None
+        # The last record it attempted: the one it failed on (those before it were deferred).
+        return record_ref(txn.attempted[-1]) if txn.attempted else None
 
     def _history(self, txn: PartitionTransaction, completions: list[Completion]) -> History:
         """This deterministic failure counted against its step, for the policy."""

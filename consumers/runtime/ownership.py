@@ -35,6 +35,7 @@ from consumers.runtime.stall_guard import StallGuard
 from consumers.runtime.state.interface import StateStoreFault
 from consumers.runtime.state.recovery import restore_and_resume
 from consumers.runtime.state.store import StateStore
+from resilience.backoff import Backoff
 from resilience.episode import Episode, describe
 
 logger = logging.getLogger("sandbox_lanes.pod")
@@ -154,13 +155,24 @@ class Ownership:
             self._start_take_over(assigned)
 
     async def release(self, partitions: set[int]) -> None:
-        """Revoked: forget the partitions' state, void their driver calls' results, close their writers."""
-        for task in list(self._taking_over):
+        """Revoked: forget the partitions' state, void their driver calls' results, close their writers.
+
+        Every take-over and restore in flight is cancelled first, and again once the turn lock is
+        held: a turn that held it may have started a retake meanwhile, and none may outlive the
+        revocation (it would take the partition over a second time, or mark it restored for the
+        next owner's epoch)."""
+        await self._cancel_recovery()
+        async with self.batch_lock:
+            await self._cancel_recovery()
+            await self.forget(partitions, "released")
+
+    async def _cancel_recovery(self) -> None:
+        tasks = {*self._taking_over, *self._restores}
+        for task in tasks:
             task.cancel()
+        for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
-        async with self.batch_lock:
-            await self.forget(partitions, "released")
 
     # --- taking over ---------------------------------------------------------------------------
 
@@ -207,8 +219,8 @@ class Ownership:
             decision = decide(Site.TAKE_OVER, classify(exc))
             async with self.batch_lock:
                 await self.forget(partitions, "take-over failed", error=describe(exc))
-            if decision.action is Action.REBUILD and isinstance(exc, StateStoreFault):
-                self.discard_state({exc.partition}, exc.reason)
+                if decision.action is Action.REBUILD and isinstance(exc, StateStoreFault):
+                    self.discard_state({exc.partition}, exc.reason)
             still = {tp for tp in assigned if tp in self.consumer.assignment()}
             if still and not self._stop.is_set():
                 self._start_take_over(still, retry_in, again=True)
@@ -240,29 +252,48 @@ class Ownership:
 
     async def _restore_until_held(self, partitions: set[int]) -> None:
         """Restore the partitions' state, retried (the policy: rebuild, or the world's backoff)
-        while they stay owned; then they may be fetched."""
-        while not self._stop.is_set():
-            wanted = {p for p in partitions if p in self.owned}
-            if not wanted:
-                break
-            try:
-                await self.restore(wanted)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                delay = self._restore_episode.failed(exc)
-                if decide(Site.TAKE_OVER, classify(exc)).action is Action.REBUILD and isinstance(
-                    exc, StateStoreFault
-                ):
-                    self.discard_state({exc.partition}, exc.reason)
+        while they stay owned. Each partition may be fetched again as soon as its state is held
+        (one that fails does not hold the others back); one no longer owned is let go."""
+        pending = set(partitions)
+        again = Backoff(first_s=0.05, cap_s=1.0)
+        try:
+            rebuilt_once: set[int] = set()
+            while pending and not self._stop.is_set():
+                try:
+                    await self.restore({p for p in pending if p in self.owned})
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    delay = self._restore_episode.failed(exc)
+                    rebuild = decide(Site.TAKE_OVER, classify(exc)).action is Action.REBUILD
+                    if rebuild and isinstance(exc, StateStoreFault):
+                        async with self.batch_lock:
+                            self.discard_state({exc.partition}, exc.reason)
+                        if exc.partition not in rebuilt_once:  # its first rebuild: at once
+                            rebuilt_once.add(exc.partition)
+                            delay = 0.0
+                    self._settle(pending)
+                    if delay > 0:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._stop.wait(), delay)
                     continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), delay)
-                continue
-            self._restore_episode.recovered()
-            break
-        self.restoring -= partitions
-        self.on_fetchable()
+                self._settle(pending)
+                if pending:  # read for an epoch since replaced (revoked and given back): again
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), again.failed())
+                    continue
+                self._restore_episode.recovered()
+        finally:
+            self.restoring -= {p for p in partitions if p not in self.owned or p in self.store.owned()}
+            self.on_fetchable()
+
+    def _settle(self, pending: set[int]) -> None:
+        """Let go of the pending partitions that are held now (they may be fetched) or no longer owned."""
+        done = {p for p in pending if p not in self.owned or p in self.store.owned()}
+        if done:
+            pending -= done
+            self.restoring -= done
+            self.on_fetchable()
 
     async def restore(self, partitions: set[int]) -> None:
         """Rebuild the state of ``partitions`` not yet held; no record of theirs is decided before."""
@@ -285,8 +316,9 @@ class Ownership:
         self.store.discard(partitions, reason)
 
     def rebuild(self, partition: int, reason: str) -> None:
-        """The policy's REBUILD: the partition's local state is thrown away and read again from the
-        topic in a task; its records are not fetched (nor decided) until it is held again."""
+        """The policy's REBUILD (the turn lock held: no transaction of the partition is under way):
+        the partition's local state is thrown away and read again from the topic in a task; its
+        records are not fetched, nor its results folded, until it is held again."""
         self.discard_state({partition}, reason)
         if not self.active(partition) or partition in self.restoring:
             return
@@ -360,6 +392,10 @@ class Ownership:
         self._reopen_after.pop(partition, None)
         await self.reopen(partition)
 
+    def reopen_waits(self, partition: int, now: float) -> bool:
+        """Its producer could not be reopened and is not tried again yet: not fetched meanwhile."""
+        return self._reopen_after.get(partition, 0.0) > now
+
     async def reopen(self, partition: int) -> BatchSink | None:
         """The owned partition's producer, opened anew if it was closed after a failure; None while
         the broker is out of reach (tried again after the backoff) or the partition is no longer
@@ -370,8 +406,11 @@ class Ownership:
             return sink
         if time.monotonic() < self._reopen_after.get(partition, 0.0):
             return None
-        if not self.assigned_now({partition}):
-            return None  # revoked: the group's callback forgets it
+        if self.stall_guard.holding or not self.assigned_now({partition}):
+            # Revoked (the group's callback forgets it), or the loop stood still past what the
+            # group allows: the group may have given the partition to another pod, whose producer
+            # a new InitProducerId here would fence. Tried again once the group has answered.
+            return None
         episode = self._reopen_episodes.get(partition)
         if episode is None:
             episode = Episode("reopening the partition's producer", logger, extra={"partition": partition})

@@ -103,8 +103,11 @@ class PartitionTransaction:
         #: Records decided at most (None = all fetched): a partition whose transactions fail the
         #: same way is retried one record at a time, so the failure names its record.
         self.limit = limit
-        #: The records this transaction decided or dead-lettered, in order.
+        #: The records this transaction decided or dead-lettered, in order (deferred ones too).
         self.attempted: list[ConsumerRecord[bytes, bytes]] = []
+        #: How many of them were applied (not deferred): what ``limit`` counts, so a record the
+        #: create-order gate holds back never uses up a small step.
+        self.stepped = 0
         #: Staged writes; None = a tombstone (the key's state removed).
         self.overlay: dict[str, state_pb2.ExecutionState | None] = {}
         #: Next offset per input partition, committed with the transaction.
@@ -173,7 +176,7 @@ class PartitionTransaction:
             key=lambda item: (item[0], item[1]),
         )
         for _, _, tp, rec in merged:
-            if self.stopping.is_set() or (self.limit is not None and len(self.attempted) >= self.limit):
+            if self.stopping.is_set() or (self.limit is not None and self.stepped >= self.limit):
                 break
             if tp in self.held:
                 continue
@@ -189,9 +192,10 @@ class PartitionTransaction:
             if deferred:
                 self.held[tp] = rec.offset  # deferred: this partition resumes here next turn
                 continue
+            self.stepped += 1
             self.offsets[tp] = rec.offset + 1
             if tp.topic == created_topic:
-                self.gate.applied(self.partition, rec.offset, rec.timestamp)
+                self.gate.applied(self.partition, rec.offset, rec.timestamp, rec.headers)
         for tp, records in batch.items():
             if tp in self.held:
                 continue

@@ -343,7 +343,8 @@ class Pod:
                 if decide(Site.CHECKPOINT, classify(exc)).action is Action.REBUILD and isinstance(
                     exc, StateStoreFault
                 ):
-                    self.ownership.rebuild(exc.partition, exc.reason)
+                    async with self.ownership.batch_lock:  # never beneath a transaction of its own
+                        self.ownership.rebuild(exc.partition, exc.reason)
                 continue
             delay = CHECKPOINT_INTERVAL_S
             episode.recovered()

@@ -93,17 +93,18 @@ class Turns:
                 raise
             except Exception as exc:
                 self._touch()  # waiting out the world is not a stalled loop
-                self._answer_outside_a_transaction(Site.TURN, exc)
+                await self._answer_outside_a_transaction(Site.TURN, exc)
                 await self._pause_for(episode.failed(exc))
                 continue
             episode.recovered()
         await self.drain()
 
-    def _answer_outside_a_transaction(self, site: Site, exc: BaseException) -> None:
+    async def _answer_outside_a_transaction(self, site: Site, exc: BaseException) -> None:
         """A failure outside a transaction: the local state's is rebuilt; the world's rests."""
         fault = classify(exc)
         if decide(site, fault).action is Action.REBUILD and isinstance(exc, StateStoreFault):
-            self.ownership.rebuild(exc.partition, exc.reason)
+            async with self.ownership.batch_lock:
+                self.ownership.rebuild(exc.partition, exc.reason)
 
     async def one_turn(self) -> bool:
         """One fetch and its turn; False when a stop was requested while fetching."""
@@ -177,7 +178,7 @@ class Turns:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the world, while stopping: tried again within the bound
-                self._answer_outside_a_transaction(Site.DRAIN, exc)
+                await self._answer_outside_a_transaction(Site.DRAIN, exc)
                 await asyncio.sleep(episode.failed(exc))
                 continue
             if self.book.retry:  # a fold-back failed (the world): not again at once
@@ -209,19 +210,32 @@ class Turns:
             ownership.positions.seek_back(fetched, ownership.owned)
             raise
         async with ownership.batch_lock:
-            completions, self.book.retry = [*self.book.retry, *self.effects.take()], []
-            for completion in completions:
-                work.setdefault(completion.partition, ({}, []))[1].append(completion)
             expiring = self._expiring()
-            for p in expiring:
-                work.setdefault(p, ({}, []))
-            if work:
-                await asyncio.gather(
-                    *(
-                        self._partition(p, recs, comps, expiring.get(p, []))
-                        for p, (recs, comps) in work.items()
+            completions, self.book.retry = [*self.book.retry, *self.effects.take()], []
+            try:
+                for completion in completions:
+                    if ownership.active(completion.partition) and completion.partition in ownership.restoring:
+                        self.book.retry.append(completion)  # its state is being read: folded once held
+                        continue
+                    work.setdefault(completion.partition, ({}, []))[1].append(completion)
+                for p in expiring:
+                    work.setdefault(p, ({}, []))
+                if work:
+                    await asyncio.gather(
+                        *(
+                            self._partition(p, recs, comps, expiring.get(p, []))
+                            for p, (recs, comps) in work.items()
+                        )
                     )
+            except BaseException:
+                # Something outside a transaction's own handling failed: nothing of the turn is
+                # lost (its records are read again, its results folded again), then the loop's
+                # policy answers it.
+                self.book.retry[:0] = [c for c in completions if c not in self.book.retry]
+                ownership.positions.seek_back(
+                    {tp: r for recs, _ in work.values() for tp, r in recs.items()}, ownership.owned
                 )
+                raise
         self.apply_backpressure()
 
     def _expiring(self) -> dict[int, list[str]]:
@@ -231,7 +245,11 @@ class Turns:
         store = self.ownership.store
         if store.retention_s <= 0 or now < self._next_expiry_check:
             return {}
-        due = store.due(now, self.config.max_batch)
+        try:
+            due = store.due(now, self.config.max_batch)
+        except StateStoreFault as fault:  # the turn lock is held: rebuilt, looked at again next turn
+            self.ownership.rebuild(fault.partition, fault.reason)
+            return {}
         saturated = sum(len(keys) for keys in due.values()) >= self.config.max_batch
         self._next_expiry_check = now if saturated else now + _EXPIRY_CHECK_S
         return {
@@ -253,7 +271,10 @@ class Turns:
         resumed = [
             tp
             for tp in assigned
-            if fetching and self.ownership.fetchable(tp.partition) and not self.book.rests(tp.partition, now)
+            if fetching
+            and self.ownership.fetchable(tp.partition)
+            and not self.book.rests(tp.partition, now)
+            and not self.ownership.reopen_waits(tp.partition, now)
         ]
         with contextlib.suppress(Exception):  # revoked meanwhile: the next call sees the new assignment
             if resumed:

@@ -232,7 +232,7 @@ class PartitionSinks:
                 )
             return
 
-        async def one(partition: int) -> None:
+        async def one(partition: int) -> TxnProducer:
             producer = TxnProducer(
                 self._txn_config,
                 transactional_id(self._group_id, partition),
@@ -244,9 +244,21 @@ class PartitionSinks:
             except BaseException:  # failed or cancelled (revoked meanwhile): no half-open producer left
                 producer.close()
                 raise
-            self._sinks[partition] = TransactionalSink(producer)
+            return producer
 
-        await asyncio.gather(*(one(p) for p in wanted))
+        # Every init is waited for, and only when all succeeded are the sinks kept: a sibling that
+        # finished after another failed must not leave a producer behind for a partition the
+        # caller then forgets (and a retry would run a second InitProducerId beside it).
+        results = await asyncio.gather(*(one(p) for p in wanted), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            for r in results:
+                if isinstance(r, TxnProducer):
+                    r.close()
+            raise failed
+        for partition, producer in zip(wanted, results, strict=True):
+            assert isinstance(producer, TxnProducer)
+            self._sinks[partition] = TransactionalSink(producer)
 
     async def close(self, partitions: Iterable[int]) -> None:
         """Close the partitions' producers: off the loop, never waited on (see ``TxnProducer.close``)."""
