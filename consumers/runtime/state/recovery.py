@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -66,12 +67,23 @@ async def _restore(
 ) -> set[int]:
     """Restore ``missing``; the partitions still owned in the same epoch (the others dropped)."""
     epochs = {p: effects.epoch(p) for p in missing}
-    report = await store.restore(
-        config.bootstrap,
-        missing,
-        isolation_level="read_committed" if config.guarantee == "exactly_once" else "read_uncommitted",
-        security=config.security,
-    )
+    try:
+        report = await store.restore(
+            config.bootstrap,
+            missing,
+            isolation_level="read_committed" if config.guarantee == "exactly_once" else "read_uncommitted",
+            security=config.security,
+        )
+    except Exception:
+        # Some partitions may be held already (restored before the one that failed): they are
+        # the caller's to fetch from now, so their outbox is resumed here (a retry skips them).
+        partial = missing & store.owned()
+        stale = {p for p in partial if p not in owned() or effects.epoch(p) != epochs[p]}
+        store.drop(stale)
+        for partition in sorted(partial - stale):
+            with contextlib.suppress(StateStoreFault):  # found damaged: the retry rebuilds it
+                _resume(partition, store, effects)
+        raise
     stats.restored_keys += report.keys
     stats.restore_seconds += report.seconds
     metrics.restored_keys.inc(report.keys)
