@@ -124,9 +124,11 @@ def test_the_table_in_the_guarantees_is_the_policy() -> None:
     from pathlib import Path
 
     text = (Path(__file__).parents[2] / "docs" / "guarantees.md").read_text()
-    section = text[text.index("## The world, waited out") :]
-    rows = [line for line in section.splitlines() if line.startswith("| **")]
-    header = next(line for line in section.splitlines() if line.startswith("| site \\ fault"))
+    lines = text[text.index("## The world, waited out") :].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| site \\ fault"))
+    header = lines[start]
+    table = lines[start + 2 :]
+    rows = table[: next(i for i, line in enumerate(table) if not line.startswith("|"))]
     faults = [Fault(cell.strip()) for cell in header.strip("|").split("|")[1:]]
     shown = {
         "stand down": Action.STAND_DOWN,
