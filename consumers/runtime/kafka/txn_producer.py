@@ -20,9 +20,16 @@ group id only (generation -1), as the per-partition ids need: the broker then ch
 epoch, not the group generation (KIP-447's per-pod mode is not used).
 
 librdkafka's errors are translated at this edge into the pod's vocabulary: a fenced producer
-raises :class:`aiokafka.errors.ProducerFenced`; a record the broker refuses for its content
-(size, timestamp, corruption) raises :class:`RecordRefused`, which :mod:`failures` counts as
-deterministic; every other error is a :class:`TransactionError` of the world (retried).
+raises :class:`aiokafka.errors.ProducerFenced`; a record librdkafka refuses for its content raises
+:class:`RecordRefused`, one the broker refuses aiokafka's class for the broker's code (size,
+corruption: :mod:`failures` counts both as deterministic); every other error is a
+:class:`TransactionError` of the world (retried).
+
+A record the broker refuses in the middle of a transaction puts librdkafka in its *abortable*
+state: every later ``produce()`` of the transaction fails with ``_STATE``, which says nothing of
+why. The reason is in the refused record's delivery report; ``produce()`` then serves the reports
+(waiting for them up to the deadline) and raises the refused record's own error, naming it, so the
+pod sees the record's fault (and its one-record mode finds the record), not the world's.
 """
 
 from __future__ import annotations
@@ -53,6 +60,9 @@ _QUEUE_FULL_WAIT_S: Final = 0.01
 
 #: librdkafka's own codes for a record refused for its content (a broker's refusal has a broker code).
 _LOCAL_RECORD_CODES: Final = frozenset({KafkaError._INVALID_ARG, KafkaError._BAD_MSG})
+#: A record librdkafka dropped unsent because its transaction failed or aborted: a consequence,
+#: never the cause (its report may even come before the cause's, or in the next transaction's).
+_PURGED_CODES: Final = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 
 
 class TransactionError(AioKafkaError):  # type: ignore[misc]
@@ -153,6 +163,17 @@ def _as_aiokafka(error: KafkaError, where: str = "") -> BaseException:
     return translated
 
 
+def _named(message: Any) -> str:
+    """A failed record in words: its topic, partition (when assigned) and key."""
+    topic, partition = message.topic(), message.partition()
+    where = f"{topic} [{partition}]" if partition is not None and partition >= 0 else str(topic)
+    key = message.key()
+    if key is not None:
+        text = bytes(key[:64]).decode("utf-8", "replace")
+        where += f" key {text!r}{'...' if len(key) > 64 else ''}"
+    return where
+
+
 def group_metadata(group_id: str) -> object:
     """The group metadata ``send_offsets_to_transaction`` takes, with the group id only.
 
@@ -189,8 +210,13 @@ class TxnProducer:
                 "on_delivery": self._delivered,
             }
         )
-        #: The first record that failed in the open transaction: its error, topic and partition.
+        #: The first record that failed in the open transaction: its error, and it in words.
         self._failed: tuple[KafkaError, str] | None = None
+        #: Records of the open transaction whose delivery failed after the first (its batch-mates:
+        #: the broker refuses a whole batch).
+        self._failed_more = 0
+        #: The first record purged unsent (only a consequence: said when nothing else failed).
+        self._purged: tuple[KafkaError, str] | None = None
         #: The open transaction's records handed over with an explicit partition, per (topic,
         #: partition), and of those delivered: [first offset, last offset, count].
         self._sent: dict[tuple[str, int], int] = {}
@@ -221,10 +247,13 @@ class TxnProducer:
                 else:
                     seen[0], seen[1], seen[2] = min(seen[0], offset), max(seen[1], offset), seen[2] + 1
             return
-        if self._failed is None:
-            topic, partition = message.topic(), message.partition()
-            known = partition is not None and partition >= 0  # not assigned: the topic was refused
-            self._failed = (error, f"{topic} [{partition}]" if known else topic)
+        if error.code() in _PURGED_CODES:
+            if self._purged is None:
+                self._purged = (error, _named(message))
+        elif self._failed is None:
+            self._failed = (error, _named(message))
+        else:
+            self._failed_more += 1
 
     def written(self, topic: str, partition: int) -> tuple[int, int] | None:
         """The first and last offsets of the committed transaction's records in ``topic``
@@ -260,9 +289,9 @@ class TxnProducer:
             future.add_done_callback(_retrieve)
             raise
         except KafkaException as exc:
-            failed = self._failed
-            if failed is not None:  # the record behind the failure: its own code, its topic named
-                raise _as_aiokafka(failed[0], failed[1]) from exc
+            refusal = self._first_failure()
+            if refusal is not None:  # the record behind the failure: its own code, it named
+                raise refusal from exc
             raise translate(exc) from exc
 
     async def init(self) -> None:
@@ -272,7 +301,8 @@ class TxnProducer:
         await self._blocking(producer.init_transactions, self._timeout_s)
 
     def begin(self) -> None:
-        self._failed = None
+        self._failed = self._purged = None
+        self._failed_more = 0
         self._sent = {}
         self._delivered_at = {}
         try:
@@ -314,7 +344,38 @@ class TxnProducer:
                     ) from None
                 await asyncio.sleep(_QUEUE_FULL_WAIT_S)
             except KafkaException as exc:
-                raise translate(exc) from exc
+                raise await self._refused(producer, exc) from exc
+
+    async def _refused(self, producer: Producer, exc: KafkaException) -> BaseException:
+        """What a failed ``produce()`` means. ``_STATE`` in an open transaction: an earlier record
+        failed (the broker refused it) and librdkafka waits for an abort; that record's delivery
+        report holds the reason. The reports are served (a flush, up to the deadline: the refused
+        record's report follows the state change at once, the others as the broker answers) and the
+        first failed record's error is the answer, naming it. Otherwise the error as it is."""
+        error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
+        if error is None or error.code() != KafkaError._STATE:
+            return translate(exc)
+        producer.poll(0)  # reports already queued
+        if self._failed is None:
+            try:
+                await self._blocking(producer.flush, self._timeout_s)
+            except Exception as flush_failed:  # the world's (a deadline: abandoned): said as it is
+                return flush_failed
+        refusal = self._first_failure(purged_too=True)
+        return translate(exc) if refusal is None else refusal
+
+    def _first_failure(self, *, purged_too: bool = False) -> BaseException | None:
+        """The open transaction's first failed record's error, naming it (and how many failed with
+        it), in the pod's vocabulary; else, with ``purged_too``, the first record purged unsent;
+        None when no delivery has failed."""
+        if self._failed is None:
+            if purged_too and self._purged is not None:
+                return _as_aiokafka(*self._purged)
+            return None
+        error, named = self._failed
+        if self._failed_more:
+            named += f" (and {self._failed_more} more records that failed after it)"
+        return _as_aiokafka(error, named)
 
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
         """The input offsets into the transaction, then its commit (flushes every record first)."""
