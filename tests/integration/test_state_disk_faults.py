@@ -27,23 +27,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
 import subprocess
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from prometheus_client.parser import text_string_to_metric_families
 
+from consumers.lanes.commands import SCOPE_ENUM, Command, CommandResult
 from consumers.ops.settings import load_settings
+from consumers.runtime.effects import EffectRunner
+from consumers.runtime.kafka.topology import Topics
+from consumers.runtime.metrics import PodMetrics
+from consumers.runtime.pod_config import PodConfig, PodStats
 from consumers.runtime.state.memory import MemoryStore
+from consumers.runtime.state.recovery import restore_and_resume
 from consumers.runtime.state.rocksdb import RocksDBStore
 from consumers.tools.embedded_broker import free_port
-from events.sandbox_lanes.v1 import outcomes_pb2
+from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2, state_pb2
 from tests.integration.test_effects_kafka import assert_one_outcome_each, committed_outcomes, memory_env
 from tests.integration.test_ops_http import http_get, wait_for_status
 from tests.support.chaos_verify import read_all
@@ -249,3 +259,115 @@ async def test_a_damaged_state_directory_costs_a_rebuild_never_a_sandbox(
         f" loop stalls {sum(1 for r in lines if r.get('msg', '').startswith('event loop stood still'))};"  # type: ignore[union-attr]
         f" case {time.monotonic() - started:.1f} s"
     )
+
+
+async def test_a_checkpoint_older_than_the_topics_delete_retention_is_thrown_away(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """Finding 13: the state topic's own ``delete.retention.ms`` (read from the broker) bounds a
+    checkpoint's age. Two topics, the same records and the same checkpoint age: with Kafka's default
+    (a day) the tail is read from the checkpoint; with one second (less the slack for a transaction
+    open when the checkpoint was taken: anything past it is stale) the partition is rebuilt."""
+    outcomes: dict[str, tuple[int, int, dict[int, str]]] = {}
+    for name, configs in [("day", {}), ("second", {"delete.retention.ms": "1000"})]:
+        topic = f"stale-{name}-{uuid.uuid4().hex[:8]}"
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+        await admin.start()
+        try:
+            configs = {"cleanup.policy": "compact", **configs}
+            await admin.create_topics([NewTopic(topic, 1, 1, topic_configs=configs)])
+        finally:
+            await admin.close()
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+        await producer.start()
+        try:
+            for i in range(10):
+                await producer.send_and_wait(topic, _state_bytes(f"e{i}"), key=f"e{i}".encode(), partition=0)
+            store = RocksDBStore(topic, directory=tmp_path / name)
+            await store.restore(kafka_bootstrap, [0])
+            store.close()
+            for i in range(10, 15):  # the tail written since: it could hold a tombstone compacted away
+                await producer.send_and_wait(topic, _state_bytes(f"e{i}"), key=f"e{i}".encode(), partition=0)
+        finally:
+            await producer.stop()
+        report = await store.restore(kafka_bootstrap, [0])
+        outcomes[name] = (report.records, report.from_checkpoint, report.rebuilt)
+        assert len(store) == 15
+        store.close()
+    assert outcomes == {"day": (5, 1, {}), "second": (15, 0, {0: "stale_checkpoint"})}, outcomes
+
+
+def _state_bytes(key: str) -> bytes:
+    state = state_pb2.ExecutionState(execution_id=key, created=True, kind=common_pb2.WORKFLOW_EXECUTION)
+    return state.SerializeToString()
+
+
+async def test_a_discarded_partition_still_owned_is_restored_without_running_a_call_twice(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """What the pod does on a StateStoreFault: ``discard`` the partition, then ``restore_and_resume``
+    while it still owns it. The partition is rebuilt from the topic (counted), its outbox resumed,
+    and a driver call of it already running is not started again (the runner knows its effect id)."""
+    topic = f"discarded-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"cleanup.policy": "compact"})])
+    finally:
+        await admin.close()
+    states = {}
+    for i in range(3):  # three executions, each with a teardown in its outbox
+        state = state_pb2.ExecutionState(execution_id=f"e{i}", created=True, kind=common_pb2.WORKFLOW_EXECUTION)
+        entry = state.pending.add()
+        entry.effect_id, entry.op, entry.sandbox_id = f"teardown-e{i}", state_pb2.EFFECT_OP_DEPROVISION, f"sb-e{i}"
+        entry.scope = next(iter(SCOPE_ENUM.values()))
+        states[f"e{i}"] = state
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    await producer.start()
+    try:
+        for key, state in states.items():
+            await producer.send_and_wait(topic, state.SerializeToString(), key=key.encode(), partition=0)
+    finally:
+        await producer.stop()
+
+    started: list[str] = []
+    release = asyncio.Event()
+
+    async def run(command: Command) -> CommandResult:
+        started.append(command.sandbox_id)
+        await release.wait()  # running until the test lets it finish
+        return CommandResult(ok=True)
+
+    effects = EffectRunner(run, concurrency=8)
+    effects.own([0])
+    store = RocksDBStore(topic, directory=tmp_path)
+    config = PodConfig(bootstrap=kafka_bootstrap, topics=Topics(state=topic))
+    metrics = PodMetrics()
+    resume = functools.partial(
+        restore_and_resume,
+        owned=lambda: {0},
+        config=config,
+        store=store,
+        effects=effects,
+        stats=PodStats(),
+        metrics=metrics,
+    )
+    try:
+        await resume({0})
+        deadline = time.monotonic() + 10
+        while len(started) < 3:  # every teardown running
+            assert time.monotonic() < deadline, started
+            await asyncio.sleep(0.01)
+        store.discard({0}, "write_failed")  # as the pod does on a StateStoreFault of partition 0
+        assert store.owned() == set()
+        await resume({0})
+        assert store.owned() == {0} and {k for k, _ in store.items()} == set(states)
+        assert metrics.state_rebuilds.labels("write_failed")._value.get() == 1
+        release.set()
+        assert await effects.wait_idle(10)
+        assert sorted(started) == ["sb-e0", "sb-e1", "sb-e2"]  # each once, not again by the rebuild
+        assert len(effects.take()) == 3
+    finally:
+        release.set()
+        await effects.cancel()
+        store.close()

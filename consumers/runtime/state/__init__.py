@@ -5,6 +5,8 @@ and its restore on take-over.
 * :mod:`.memory`: every state in memory, restored from the beginning on each take-over;
 * :mod:`.rocksdb`: one RocksDB database per owned partition on local disk, with a checkpoint;
 * :mod:`.changelog`: the state topic read from a checkpoint (bounds, topic id, records);
+* :mod:`.local_faults`: what a failure of a local database is (its bounded reason) and the marker
+  that tells a database lost its data;
 * :mod:`.store`: picks an implementation (:func:`.store.open_store`);
 * :mod:`.recovery`: restore and resume the outbox of partitions taken over.
 """
