@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 
@@ -81,8 +80,10 @@ async def _restore(
         stale = {p for p in partial if p not in owned() or effects.epoch(p) != epochs[p]}
         store.drop(stale)
         for partition in sorted(partial - stale):
-            with contextlib.suppress(StateStoreFault):  # found damaged: the retry rebuilds it
+            try:
                 _resume(partition, store, effects)
+            except StateStoreFault as fault:  # found damaged: thrown away, so the retry rebuilds it
+                store.discard({partition}, fault.reason)
         raise
     stats.restored_keys += report.keys
     stats.restore_seconds += report.seconds
