@@ -35,6 +35,7 @@ from consumers.runtime.kafka.topology import Topics
 from consumers.tools.replay.command import lane_config
 from consumers.tools.replay.derive import replay
 from consumers.tools.topic_io import tail, topic_for
+from events import schema_registry
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 from tests.support.foreign_producers import RawRecord, java_produce, librdkafka_produce
@@ -180,3 +181,55 @@ async def test_every_producer_style_is_provisioned_and_torn_down(
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert printed == len(lines) == 3 * len(STYLES)
     assert [line for line in lines if "event" not in line or "error" in line] == []
+
+
+@pytest.mark.timeout(180)
+async def test_a_registry_outage_is_waited_out_never_a_dead_letter(
+    kafka_broker: KafkaBroker, tmp_path: Path
+) -> None:
+    """With SANDBOX_LANES_SCHEMA_REGISTRY_URL set and the registry not answering, a framed create's
+    partition rests and tries again (the world's fault); once the registry answers, it is provisioned
+    once. The registry's answers come from confluent-kafka's in-process registry (no registry server
+    runs here); the pod, the broker and the serializer are real."""
+    bootstrap = kafka_broker.bootstrap
+    env = unique_env(bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory", SANDBOX_LANES_PARTITIONS="1")
+    topics = load_settings(env).topics
+    await create_inputs(env)
+    framing = _Framing()
+    execution = f"wf-outage-{RUN}"
+    created = _events(execution)[0]
+    value = framing(created, topics.execution_created)
+    registry = schema_registry.configure("http://127.0.0.1:1")  # nothing listens on port 1
+    assert registry is not None
+    try:
+        async with running_pod(env) as composed:
+            await asyncio.to_thread(
+                librdkafka_produce,
+                bootstrap,
+                [RawRecord("none", topics.execution_created, execution.encode(), value)],
+            )
+            stats = composed.pod.stats
+            deadline = asyncio.get_running_loop().time() + 60
+            while stats.commit_failures < 2:  # the record's partition failed, rested, failed again
+                assert asyncio.get_running_loop().time() < deadline, "the pod never tried the record"
+                await asyncio.sleep(0.1)
+            assert stats.dead_lettered == 0
+            registry._fetch = _registry_answers(framing)  # the registry answers from now on
+            got = await _outcomes(bootstrap, topics.outcomes, [execution], 1)
+            failures = stats.commit_failures
+            dead = await read_topic(bootstrap, topics.dead_letter, settle_s=0.3, timeout_s=3)
+        print(
+            f"\nregistry outage: {failures} failed tries of the partition, then provisioned; 0 dead letters"
+        )
+        assert got.get(execution) == ["SandboxProvisioned"]
+        assert dead == [] and stats.dead_lettered == 0
+    finally:
+        schema_registry.configure("")
+
+
+def _registry_answers(framing: _Framing) -> schema_registry.Fetch:
+    def fetch(method: str, url: str, body: bytes | None) -> tuple[int, bytes]:
+        schema = framing.client.get_schema(int(url.rsplit("/", 1)[1]))
+        return 200, json.dumps({"schemaType": schema.schema_type, "schema": schema.schema_str}).encode()
+
+    return fetch
