@@ -56,6 +56,12 @@ class PodMetrics:
             "Partition producers abandoned past a broker wait's deadline or a failed abort (taken over anew)",
             registry=r,
         )
+        self.producers_lingering = Gauge(
+            "sandbox_lanes_producers_lingering",
+            "Closed partition producers whose threads are still stuck in a broker wait (capped: past"
+            " the cap no new producer is opened until some end)",
+            registry=r,
+        )
         self.duplicates = Counter("sandbox_lanes_duplicates", "Redelivered inputs ignored", registry=r)
         self.unparsable = Counter(
             "sandbox_lanes_unparsable_fetches",

@@ -25,6 +25,7 @@ from consumers.runtime.commit_book import CommitBook
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
 from consumers.runtime.failure_policy import Action, Site, classify, decide, parse_fault
+from consumers.runtime.kafka.txn_producer import lingering
 from consumers.runtime.kafka.unparsable import fetch_around_unparsable
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.ownership import Ownership
@@ -265,6 +266,7 @@ class Turns:
         assigned = consumer.assignment()
         outstanding = self.effects.outstanding
         self.metrics.effects_outstanding.set(outstanding)
+        self.metrics.producers_lingering.set(lingering())
         # Fetch what is owned, held and not resting, unless throttled or stopping; pause the rest.
         fetching = self._throttle.fetching(outstanding, self._stop.is_set())
         now = time.monotonic()

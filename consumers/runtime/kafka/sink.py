@@ -27,7 +27,14 @@ from typing import Any, Literal, Protocol
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from consumers.runtime.kafka.txn_producer import DEADLINE_GRACE_S, TxnProducer, group_metadata
+from consumers.runtime.kafka.txn_producer import (
+    DEADLINE_GRACE_S,
+    MAX_LINGERING,
+    TooManyLingering,
+    TxnProducer,
+    group_metadata,
+    lingering,
+)
 from events.codec import EncodedRecord
 
 Guarantee = Literal["exactly_once", "at_least_once"]
@@ -231,6 +238,12 @@ class PartitionSinks:
                     deadline_s=self._timeout_s + DEADLINE_GRACE_S,
                 )
             return
+
+        waiting = lingering()
+        if wanted and waiting >= MAX_LINGERING:
+            raise TooManyLingering(
+                f"{waiting} closed producers are still stuck in broker waits: not opening another yet"
+            )
 
         async def one(partition: int) -> TxnProducer:
             producer = TxnProducer(

@@ -98,6 +98,10 @@ class _Worker:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
     def _serve(self) -> None:
         while (item := self._calls.get()) is not None:
             call, future = item
@@ -421,7 +425,28 @@ class TxnProducer:
                 handle.purge()
                 handle.flush(0)
 
-        threading.Thread(
+        closer = threading.Thread(
             target=destroy, args=(producer,), name=f"sandbox-lanes-close-{self.transactional_id}", daemon=True
-        ).start()
+        )
+        closer.start()
+        _LINGERING.append((self._worker.thread, closer))
         del producer
+
+
+#: Producers closed whose threads have not ended yet (a worker stuck in a broker wait, a destroy
+#: waiting on librdkafka): each holds a librdkafka handle and its threads until the broker answers.
+_LINGERING: list[tuple[threading.Thread, threading.Thread]] = []
+#: At most this many may linger: past it no new producer is opened (a take-over or reopen waits
+#: with its backoff), so an outage cannot pile up handles and threads without bound.
+MAX_LINGERING: Final = 32
+
+
+def lingering() -> int:
+    """How many closed producers still have a thread alive (the pod's gauge, and the cap's count)."""
+    _LINGERING[:] = [pair for pair in _LINGERING if pair[0].is_alive() or pair[1].is_alive()]
+    return len(_LINGERING)
+
+
+class TooManyLingering(TransactionError):
+    """:data:`MAX_LINGERING` closed producers are still stuck in broker waits: no new one is opened
+    until some have ended (a failure of the world: waited out with backoff)."""
