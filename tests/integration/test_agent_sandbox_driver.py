@@ -735,6 +735,77 @@ async def test_async_warm_assignment_returns_once_claimed_and_a_restarted_driver
             await restarted_driver.close()
 
 
+async def test_an_idle_session_whose_exec_ended_is_noticed_opened_again_and_used(
+    kube_node: KubeNode, agent_sandbox: AgentSandboxController, node_admin: Any, node_namespace: str
+) -> None:
+    """An assignment session's exec ends while it sits idle (here its process is killed; in production
+    a stream timeout of the kubelet or API server, a container restart): the kubelet ends the stream.
+    The refresh reads every idle session, so it sees that, and opens a new one; the next claim of that
+    pod is handed its secrets through it. (The client's ``is_open()`` alone stays True for ever: the
+    dead session was kept, no new one opened, and the delivery fell back to a fresh exec.)"""
+    core = client.CoreV1Api(node_admin)
+    ns = node_namespace
+    driver = new_agent_sandbox_provisioner(
+        node_driver_config(ns, kube_node.kubeconfig_path, warm_pool_size="1"), LOG
+    )
+    metrics = CollectorRegistry()
+    driver.bind_metrics(metrics)
+    assert driver.warm is not None
+    try:
+        await driver.warm.prepare()
+        await pool_ready(driver, 1)
+        await wait_for("the assignment session", lambda: driver.warm.sessions_open == 1)
+        pods = core.list_namespaced_pod(ns, label_selector="stigmer.ai/warm=true").items
+        idle = [
+            p.metadata.name for p in pods if p.status.phase == "Running" and not p.metadata.deletion_timestamp
+        ]
+        assert len(idle) == 1
+        pod = idle[0]
+
+        # The session processes in the pod (the image has no pgrep): each /proc entry whose command line
+        # holds the session command's name ([n]: this shell's own line, which spells the pattern, does not)
+        scan = (
+            "for d in /proc/[0-9]*; do case \"$(tr '\\0' ' ' 2>/dev/null < $d/cmdline)\" in "
+            "*assign-sessio[n]*) {act} ${{d#/proc/}};; esac; done"
+        )
+
+        def sessions_in_pod() -> list[str]:
+            return pod_exec(core, ns, pod, ["/bin/sh", "-c", scan.format(act="echo")]).split()
+
+        first = await wait_for("the session's process in the pod", sessions_in_pod)
+        assert len(first) == 1, first
+        pod_exec(core, ns, pod, ["/bin/sh", "-c", scan.format(act="kill")])
+        ended = time.monotonic()
+        again = await wait_for(
+            "a session opened again", lambda: [p for p in sessions_in_pod() if p not in first], timeout=30
+        )
+        LOG.info("a session ended while idle was replaced within %.2fs", time.monotonic() - ended)
+        assert len(again) == 1 and driver.warm.sessions_open == 1
+
+        execution = f"wfx_reopen_{uuid.uuid4().hex[:8]}"
+        base = sandbox_base_name("workflow", execution)
+        await driver.ensure("workflow", execution, SandboxEnvironment(f"wfexec:{execution}", "tok.reopen"))
+        await driver.warm.settled()
+        via = {
+            way: metrics.get_sample_value(
+                "sandbox_lanes_agent_sandbox_assignment_handovers_total", {"via": way}
+            )
+            for way in ("session", "exec")
+        }
+        assert via == {"session": 1.0, "exec": None}, via
+        adopted = _claim(client.CustomObjectsApi(node_admin), ns, base)["status"]["sandbox"]["name"]
+        assert adopted == pod
+        assert (
+            await wait_for("the runner", lambda: runner_process_env(core, ns, pod).get("STIGMER_TOKEN"))
+            == "tok.reopen"
+        )
+        await driver.deprovision("workflow", execution)
+        custom = client.CustomObjectsApi(node_admin)
+        await wait_for("the claim to go", lambda: gone(lambda: _claim(custom, ns, base)), timeout=90)
+    finally:
+        await driver.close()
+
+
 async def test_a_changed_runner_template_deletes_the_previous_warm_pool_and_template(
     kube_node: KubeNode, agent_sandbox: AgentSandboxController, node_admin: Any, node_namespace: str
 ) -> None:
