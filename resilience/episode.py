@@ -10,8 +10,10 @@ So a broker that is down for ten minutes is one ERROR line and its end, and an o
 when it began, why, that it goes on, and when it ended.
 
 An episode whose work stopped failing *without* a success to say so (the work was not tried again,
-hours pass) is over too: the next failure after ``settle_s`` of quiet starts a new episode, logged
-at ERROR, rather than being counted, at DEBUG, into one that ended long ago.
+hours pass) is over too: the next failure after ``forget_s`` (5 minutes) of quiet starts a new
+episode, logged at ERROR, rather than being counted, at DEBUG, into one that ended long ago. That
+quiet is longer than ``settle_s`` because an attempt itself can outlast ``settle_s`` (a take-over
+waiting out a 15 s broker deadline): a failure after it is the same outage, not a new one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from resilience.backoff import FIRST_DELAY_S, JITTER, MAX_DELAY_S, Backoff
 SETTLE_S: Final = 10.0
 #: A long episode is recalled (WARNING, "still failing") this often.
 REMIND_S: Final = 300.0
+#: A failure after this long without one (and without a success) starts a new episode.
+FORGET_S: Final = 300.0
 
 
 def describe(exc: BaseException) -> str:
@@ -48,6 +52,7 @@ class Episode:
         jitter: float = JITTER,
         settle_s: float = SETTLE_S,
         remind_s: float = REMIND_S,
+        forget_s: float = FORGET_S,
         extra: dict[str, object] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rng: Callable[[], float] | None = None,
@@ -59,6 +64,7 @@ class Episode:
             self.backoff.rng = rng
         self._settle = settle_s
         self._remind = remind_s
+        self._forget = max(forget_s, settle_s)
         self._extra = dict(extra or {})
         self._clock = clock
         #: Failures in the episode so far.
@@ -80,7 +86,7 @@ class Episode:
         """Count a failure; returns the seconds to wait before the next attempt."""
         error = exc if isinstance(exc, str) else describe(exc)
         now = self._clock()
-        if self._since is not None and now - self._last_failure >= self._settle:
+        if self._since is not None and now - self._last_failure >= self._forget:
             self._end(now, "ended (no failure for a while)")  # quiet long enough: a new episode
             self.backoff.succeeded()
         self.attempts += 1

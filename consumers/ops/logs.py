@@ -78,6 +78,47 @@ class HumanFormatter(logging.Formatter):
         return redact(line, self._secrets)
 
 
+#: The Kafka clients' own loggers (aiokafka; librdkafka through the transactional producer).
+CLIENT_LOGGERS: tuple[str, ...] = ("aiokafka", "kafka", "sandbox_lanes.librdkafka")
+#: One line of a kind from a Kafka client per this many seconds at most.
+CLIENT_LINE_EVERY_S = 60.0
+_DIGITS = re.compile(r"\d+")
+
+
+class ClientLogThrottle(logging.Filter):
+    """The Kafka clients' lines, as an operator can read them through an outage.
+
+    aiokafka and librdkafka log every failed attempt of a retry loop at ERROR ("Unable connect to
+    node", "Failed fetch messages", a coordinator lookup): 7,000 lines in a 40 s outage, 100,000 in
+    ten minutes. The pod's own episodes already say, once, at ERROR, that the world fails and when
+    it is back (resilience.episode). So a client's line is at most a WARNING, and a line of the same
+    kind (its logger and its text without numbers) passes once per :data:`CLIENT_LINE_EVERY_S`,
+    carrying how many like it were held back since (``suppressed``).
+    """
+
+    def __init__(self, every_s: float = CLIENT_LINE_EVERY_S) -> None:
+        super().__init__()
+        self._every = every_s
+        self._last: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(CLIENT_LOGGERS):
+            return True
+        if record.levelno > logging.WARNING:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        key = (record.name, _DIGITS.sub("#", str(record.msg))[:200])
+        last, held = self._last.get(key, (float("-inf"), 0))
+        if record.created - last < self._every:
+            self._last[key] = (last, held + 1)
+            return False
+        if held:
+            record.suppressed = held
+        if len(self._last) > 1_000:  # kinds are few; bound it all the same
+            self._last.clear()
+        self._last[key] = (record.created, 0)
+        return True
+
+
 #: ``SANDBOX_LANES_LOG_FORMAT`` → ``setup_logging(json_lines=…)``: auto = JSON unless a terminal.
 JSON_LINES_BY_FORMAT: dict[str, bool | None] = {"auto": None, "json": True, "human": False}
 
@@ -94,6 +135,7 @@ def setup_logging(
     use_json = (not out.isatty()) if json_lines is None else json_lines
     handler = logging.StreamHandler(out)
     handler.setFormatter(JsonFormatter(secrets) if use_json else HumanFormatter(secrets))
+    handler.addFilter(ClientLogThrottle())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -55,6 +55,9 @@ logger = logging.getLogger("sandbox_lanes.pod")
 
 #: Part of the shutdown bound kept for closing the consumer and producer.
 _CLOSE_RESERVE_S = 5.0
+#: How often the pod asks the cluster for its metadata (is it reachable at all), and how long it waits.
+_PROBE_EVERY_S = 5.0
+_PROBE_TIMEOUT_S = 10.0
 
 
 class _UnwaitedExecutor(ThreadPoolExecutor):
@@ -282,6 +285,7 @@ class Pod:
         loop = asyncio.get_running_loop()
         self._background.append(loop.create_task(self.stall_guard.watch(self._stop)))
         self._background.append(loop.create_task(self._checkpoints()))
+        self._background.append(loop.create_task(self._watch_cluster()))
         try:
             await self._bounded_loop()
         finally:
@@ -349,6 +353,34 @@ class Pod:
             delay = CHECKPOINT_INTERVAL_S
             episode.recovered()
 
+    async def _watch_cluster(self) -> None:
+        """Whether the cluster can be reached at all, as an episode of its own.
+
+        Through a whole outage aiokafka's fetch just returns nothing (its retries are its own), so
+        no turn fails and nothing of the pod's would say the cluster is gone. A metadata request
+        every few seconds, bounded, says it: one ERROR when the cluster cannot be reached, a
+        reminder while it lasts, one line when it is back."""
+        episode = Episode(
+            "reaching the Kafka cluster", logger, first_delay_s=_PROBE_EVERY_S, max_delay_s=_PROBE_EVERY_S
+        )
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), _PROBE_EVERY_S)
+            consumer = self.consumer
+            if self._stop.is_set() or consumer is None:
+                return
+            try:
+                await asyncio.wait_for(consumer.topics(), _PROBE_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except TimeoutError:
+                episode.failed(f"no metadata answer within {_PROBE_TIMEOUT_S:.0f} s")
+                continue
+            except Exception as exc:  # the world's, by definition here
+                episode.failed(exc)
+                continue
+            episode.recovered()
+
     async def _stop_background(self) -> None:
         self._stop.set()  # background tasks end on the stop signal too (also when the loop raised)
         await end_tasks(self._background, self._remaining() - _CLOSE_RESERVE_S, _CLOSE_RESERVE_S)
@@ -366,5 +398,13 @@ async def _bounded_close(what: str, closing: Awaitable[Any], seconds: float) -> 
         await asyncio.wait_for(closing, seconds)
     except TimeoutError:
         logger.warning(f"closing {what} outlived {seconds:.0f} s; left behind", extra={"seconds": seconds})
-    except Exception as exc:
+    except asyncio.CancelledError:
+        # aiokafka's stop cancels its fetch task and awaits it; a fetch asleep in its retry
+        # backoff (an outage) lets that CancelledError out. Only a cancellation of the stop
+        # itself goes on up: this one is the client's, and the stop is not over.
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+        logger.warning(f"closing {what} was cut short by the client's own cancelled task; left behind")
+    except Exception as exc:  # the world, while stopping: nothing left to do with it
         logger.warning(f"closing {what} failed", extra={"error": repr(exc)[:300]})

@@ -89,3 +89,18 @@ def test_a_failure_after_a_long_quiet_starts_a_new_episode_at_error(caplog: pyte
     errors = [m for level, m in _levels(caplog, "t.ep2") if level == logging.ERROR]
     assert len(errors) == 2
     assert delay == pytest.approx(0.1)  # the backoff started over with the new episode
+
+
+def test_attempts_longer_than_the_settle_time_stay_one_episode(caplog: pytest.LogCaptureFixture) -> None:
+    """A take-over that fails after waiting out a 15 s broker deadline, again and again, is one
+    outage: one ERROR, and its backoff grows to the cap instead of starting over each time."""
+    clock = _Clock()
+    episode = Episode("taking over", logging.getLogger("t.ep3"), clock=clock, rng=lambda: 0.0, settle_s=10.0)
+    with caplog.at_level(logging.DEBUG, logger="t.ep3"):
+        delays = []
+        for _ in range(12):
+            delays.append(episode.failed(TimeoutError("15 s deadline")))
+            clock.now += 15 + delays[-1]
+    errors = [m for level, m in _levels(caplog, "t.ep3") if level == logging.ERROR]
+    assert len(errors) == 1
+    assert delays[-1] == 5.0
