@@ -144,7 +144,7 @@ class CommitBook:
         except Exception as exc:
             fault = classify(exc) if isinstance(exc, StateStoreFault) else Fault.WORLD
             if decide(Site.STORE_APPLY, fault).action is Action.REBUILD:
-                reason = exc.reason if isinstance(exc, StateStoreFault) else f"write_failed: {describe(exc)}"
+                reason = exc.reason if isinstance(exc, StateStoreFault) else "write_failed"
                 logger.error(
                     "a committed transaction could not be applied to the local state: rebuilding the"
                     " partition's state from the topic before its next record",

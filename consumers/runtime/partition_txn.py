@@ -34,6 +34,7 @@ from consumers.runtime.kafka.unparsable import Doom, RecordRef, record_ref
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod_config import PodConfig, PodStats
 from consumers.runtime.processor import LaneProcessor
+from consumers.runtime.state.interface import StateStoreFault
 from consumers.runtime.state.store import StateStore
 from events import schema_registry
 from events.codec import TYPE_PREFIX, DecodeError, InputEvent, decode_input, encode, state_key, type_name
@@ -248,6 +249,10 @@ class PartitionTransaction:
         span = active.decided() if active is not None else None
         try:
             decision = self.processor.decide(event, StateView(stored, self._stored))
+        except StateStoreFault:  # the local store, not the record: the policy rebuilds it, the record waits
+            if span is not None:
+                span.end()
+            raise
         except Exception as exc:  # a bug in the rules must not stop the pod: park the record
             if span is not None:
                 span.end()
