@@ -34,7 +34,8 @@ from consumers.ops.settings import load_settings
 from consumers.runtime.state.changelog import ChangelogReader
 from consumers.runtime.state.interface import STATE_FORMAT_VERSION
 from consumers.runtime.state.memory import MemoryStore
-from consumers.runtime.state.rocksdb import _CHECKPOINT, RocksDBStore
+from consumers.runtime.state.rocksdb import RocksDBStore
+from consumers.runtime.state.rocksdb_partition import CHECKPOINT_KEY
 from events.sandbox_lanes.v1 import common_pb2, outcomes_pb2, state_pb2
 from tests.integration.test_effects_kafka import assert_one_outcome_each, committed_outcomes, memory_env
 from tests.support.chaos_verify import read_all
@@ -228,7 +229,7 @@ def _checkpoint(db: Path) -> dict[str, object]:
 
     opened = Rdict(str(db), Options(raw_mode=True))
     try:
-        raw = opened.get(_CHECKPOINT)
+        raw = opened.get(CHECKPOINT_KEY)
         assert raw is not None
         found: dict[str, object] = json.loads(raw)
         return found
@@ -241,7 +242,7 @@ def _set_checkpoint(db: Path, body: dict[str, object]) -> None:
 
     opened = Rdict(str(db), Options(raw_mode=True))
     try:
-        opened.put(_CHECKPOINT, json.dumps(body).encode())
+        opened.put(CHECKPOINT_KEY, json.dumps(body).encode())
     finally:
         opened.close()
 

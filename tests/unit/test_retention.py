@@ -250,19 +250,19 @@ def test_the_disk_stores_index_read_ends_at_the_index_not_at_the_next_live_key(t
     key. The store's reads are bounded to their prefix: they end where it ends."""
     from rocksdict import Options, Rdict
 
-    from consumers.runtime.state.rocksdb import _within
+    from consumers.runtime.state.rocksdb_partition import within
 
     db = Rdict(str(tmp_path / "db"), Options(raw_mode=True))
     try:
         db.put(b"d" + struct.pack(">Q", 1) + b"k", b"")
         db.put(b"s" + b"k", b"state")
         for bounded, after_the_index in ((False, b"sk"), (True, None)):
-            it = db.iter(_within(b"d")) if bounded else db.iter()
+            it = db.iter(within(b"d")) if bounded else db.iter()
             it.seek(b"d")
             it.next()  # one past the index's only entry
             assert (it.key() if it.valid() else None) == after_the_index
             del it
-        it = db.iter(_within(b"s"))
+        it = db.iter(within(b"s"))
         it.seek(b"s")
         assert it.valid() and it.key() == b"sk"
         del it

@@ -28,7 +28,8 @@ from consumers.runtime.state.interface import (
 )
 from consumers.runtime.state.local_faults import guarded, mark
 from consumers.runtime.state.memory import MemoryStore
-from consumers.runtime.state.rocksdb import RocksDBStore, proven
+from consumers.runtime.state.rocksdb import RocksDBStore
+from consumers.runtime.state.rocksdb_checkpoints import proven
 from consumers.runtime.state.store import open_store
 from events.sandbox_lanes.v1 import common_pb2, state_pb2
 from tests.integration.test_reaper import _state

@@ -1,0 +1,175 @@
+r"""One partition's RocksDB database (through ``rocksdict``): its key layout, options and reads.
+
+The database lives in ``<state dir>/<topic>/<partition>`` and keeps, under one-letter prefixes:
+
+* ``s<key>``: the state, serialized as in the topic;
+* ``r<key>``: when the finished state may be removed (milliseconds, 8 bytes big-endian), and
+  ``d<when><key>``: the due-time index ordered by that time, so
+  :meth:`~consumers.runtime.state.rocksdb.RocksDBStore.due` reads only the keys whose time has come
+  and the index survives a restart without a scan;
+* ``m:checkpoint``: the state topic's offset the database reflects, with what it belongs to
+  (topic name and id, partition, isolation level, format version, retention); ``m:count``: keys.
+
+A store's databases share one write buffer manager and one block cache (:data:`MEMTABLES_BYTES`,
+:data:`BLOCK_CACHE_BYTES`), so RocksDB's memory is bounded per pod, not per partition owned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rocksdict import BlockBasedOptions, Cache, Options, Rdict, ReadOptions, WriteBatch, WriteBufferManager
+
+from consumers.lanes.retention import removable_from
+from events.sandbox_lanes.v1 import state_pb2
+
+logger = logging.getLogger("sandbox_lanes.state")
+
+STATE_PREFIX = b"s"
+REMOVABLE_PREFIX = b"r"
+DUE_PREFIX = b"d"
+CHECKPOINT_KEY = b"m:checkpoint"
+COUNT_KEY = b"m:count"
+
+#: What a store's databases share, whatever the number of partitions it owns: the memtables (all
+#: of them, flushed early past this) and the block cache. RocksDB's memory is bounded per pod.
+MEMTABLES_BYTES = 64 * 1024 * 1024
+BLOCK_CACHE_BYTES = 32 * 1024 * 1024
+
+
+def ms_key(at: float) -> bytes:
+    """A time as the index orders it: milliseconds, 8 bytes big-endian."""
+    return struct.pack(">Q", max(0, int(at * 1000)))
+
+
+def database_options(memtables: WriteBufferManager, cache: Cache) -> Options:
+    opts = Options(raw_mode=True)
+    opts.create_if_missing(True)
+    opts.set_write_buffer_size(8 * 1024 * 1024)
+    opts.set_max_write_buffer_number(2)
+    opts.set_keep_log_file_num(2)
+    opts.set_write_buffer_manager(memtables)
+    table = BlockBasedOptions()
+    table.set_block_cache(cache)
+    opts.set_block_based_table_factory(table)
+    return opts
+
+
+class RocksDBPartition:
+    """One owned partition's database, with what the store keeps of it in memory (its count, the
+    writes applied since its checkpoint, where its due-time index starts)."""
+
+    def __init__(self, path: Path, options: Options) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+        self.db = Rdict(str(path), options)
+        try:
+            raw = self.db.get(COUNT_KEY)
+        except BaseException:
+            # Closed here, not when the exception's traceback lets go of it: RocksDB keeps the
+            # database's LOCK taken in this process till then, and its rebuild could not open.
+            self.db.close()
+            raise
+        self.count = int(raw) if raw else 0
+        #: Per key, the values applied since the checkpoint (None: a tombstone), oldest first.
+        self.pending: dict[str, list[bytes | None]] = {}
+        self.pending_n = 0
+        self.provable = True
+        #: The checkpoint's offset as recorded (None: none yet), and whether the record at it is the
+        #: commit marker of this store's last transaction (its next records then start one past it).
+        self.offset: int | None = None
+        self.marker = False
+        #: The offsets (first, last) of the transactions applied since the checkpoint that did not
+        #: chain, and whether one of them had no known offsets: after a move by reading, the rest
+        #: may chain from there.
+        self.unproven: list[tuple[int, int]] = []
+        self.unknown = False
+        #: No due-time index entry sorts before this (its time as :func:`ms_key`, then its key; b"":
+        #: not known yet): where :meth:`~consumers.runtime.state.rocksdb.RocksDBStore.due` seeks.
+        #: Entries of states already removed lie before it, and a seek walks every deleted entry on
+        #: its way until a compaction drops them (the key too: many states fall due in the same
+        #: millisecond).
+        self.due_floor = b""
+
+    def checkpoint(self) -> dict[str, Any] | None:
+        raw = self.db.get(CHECKPOINT_KEY)
+        if not raw:
+            return None
+        try:
+            found = json.loads(raw)
+        except ValueError:
+            return None
+        return found if isinstance(found, dict) else None
+
+    def stage(
+        self,
+        batch: WriteBatch,
+        key: bytes,
+        raw: bytes | None,
+        state: state_pb2.ExecutionState | None,
+        seen_at: float,
+        retention_s: float,
+    ) -> int:
+        """Put one key's write into ``batch`` (reading its index entry); the change of the count."""
+        db = self.db
+        old_at = db.get(REMOVABLE_PREFIX + key)
+        if old_at is not None:
+            batch.delete(DUE_PREFIX + old_at + key)
+        existed = db.get(STATE_PREFIX + key) is not None
+        if raw is None or state is None:
+            batch.delete(STATE_PREFIX + key)
+            batch.delete(REMOVABLE_PREFIX + key)
+            return -1 if existed else 0
+        batch.put(STATE_PREFIX + key, raw)
+        at = removable_from(state, retention_s, seen_at)
+        if at is None:
+            batch.delete(REMOVABLE_PREFIX + key)
+        else:
+            batch.put(REMOVABLE_PREFIX + key, ms_key(at))
+            batch.put(DUE_PREFIX + ms_key(at) + key, b"")
+            self.due_floor = min(self.due_floor, ms_key(at) + key)
+        return 0 if existed else 1
+
+    def close(self) -> None:
+        self.db.close()
+
+    def close_quietly(self) -> None:
+        """Close a database that may be damaged: its close failing changes nothing."""
+        try:
+            self.close()
+        except Exception as exc:
+            logger.debug(
+                "closing a state database failed", extra={"path": str(self.path), "error": repr(exc)}
+            )
+
+
+def within(prefix: bytes) -> ReadOptions:
+    """Read options that end an iteration at the last key starting with ``prefix``. Without them an
+    iterator leaving the range walks on over every deleted key after it until it finds a live one
+    (the removable times of removed states lie right after the due-time index: 100k of them cost
+    each retention check 2-9 ms until a compaction dropped them)."""
+    opts = ReadOptions()
+    opts.set_iterate_upper_bound(prefix[:-1] + bytes([prefix[-1] + 1]))  # our prefixes end below 0xff
+    return opts
+
+
+def prefixed(db: Rdict, prefix: bytes, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
+    """The entries whose key starts with ``prefix``, the prefix cut off, in key order (from
+    ``prefix + start``)."""
+    it = db.iter(within(prefix))
+    try:
+        it.seek(prefix + start)
+        while it.valid():
+            key = it.key()
+            if not key.startswith(prefix):
+                break
+            yield key[len(prefix) :], it.value()
+            it.next()
+        it.status()  # an iterator that stopped on a damaged block says so only here
+    finally:
+        del it
