@@ -392,6 +392,10 @@ class Ownership:
         self._reopen_after.pop(partition, None)
         await self.reopen(partition)
 
+    def store_lost(self, partition: int) -> bool:
+        """Its local state is no longer held (thrown away for a rebuild): nothing more is decided."""
+        return partition not in self.store.owned()
+
     def reopen_waits(self, partition: int, now: float) -> bool:
         """Its producer could not be reopened and is not tried again yet: not fetched meanwhile."""
         return self._reopen_after.get(partition, 0.0) > now

@@ -25,6 +25,7 @@ from consumers.runtime.commit_book import CommitBook
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import Completion, EffectRunner
 from consumers.runtime.failure_policy import Action, Site, classify, decide, parse_fault
+from consumers.runtime.kafka.sink import BatchSink
 from consumers.runtime.kafka.txn_producer import lingering
 from consumers.runtime.kafka.unparsable import fetch_around_unparsable
 from consumers.runtime.metrics import PodMetrics
@@ -292,7 +293,11 @@ class Turns:
         completions: list[Completion],
         expiring: list[str],
     ) -> None:
-        """One transaction for partition N: results folded back, then the records decided."""
+        """Partition N's transaction: results folded back, then the records decided.
+
+        A partition in small steps (a suspect) goes through what this fetch holds one step per
+        transaction, all in this turn, rather than one fetch per record: each step is committed on
+        its own, so the failing one still names itself, and the rest costs a transaction each."""
         ownership, book = self.ownership, self.book
         consumer = ownership.consumer
         assert consumer is not None
@@ -304,14 +309,51 @@ class Turns:
             if ownership.active(partition):
                 book.retry.extend(completions)
             return
-        started = time.monotonic()
-        if book.rests(partition, started):
+        if book.rests(partition, time.monotonic()):
             # Its last transaction failed for the world's reasons: it rests (backoff) rather than
             # hammer the broker; its records are read again and its results wait.
             ownership.positions.seek_to_first(batch)
             book.retry.extend(completions)
             return
         completions, limit = book.step(partition, completions)
+        rest: Mapping[TopicPartition, Records] = batch
+        steps = 0
+        try:
+            while True:
+                txn = await self._transaction(partition, sink, rest, completions, expiring, limit)
+                steps += 1
+                if txn is None or limit != 1 or txn.stepped == 0 or self._stop.is_set():
+                    return
+                if not ownership.fetchable(partition) or ownership.store_lost(partition):
+                    return
+                standing = ownership.positions.standing
+                rest = {
+                    tp: left
+                    for tp, recs in rest.items()
+                    if (left := [r for r in recs if r.offset >= standing.get(tp, r.offset)])
+                }
+                if not rest:
+                    return
+                completions, expiring = [], []
+                completions, limit = book.step(partition, completions)
+        finally:
+            if steps > 1:  # every input partition of the fetch back to where the steps left it
+                ownership.positions.seek_back(batch, ownership.owned)
+
+    async def _transaction(
+        self,
+        partition: int,
+        sink: BatchSink,
+        batch: Mapping[TopicPartition, Records],
+        completions: list[Completion],
+        expiring: list[str],
+        limit: int | None,
+    ) -> PartitionTransaction | None:
+        """One transaction; the committed one, or None when it failed (the book has answered it)."""
+        ownership, book = self.ownership, self.book
+        consumer = ownership.consumer
+        assert consumer is not None
+        started = time.monotonic()
         txn = PartitionTransaction(
             partition,
             sink,
@@ -353,8 +395,9 @@ class Turns:
                 )
                 ownership.positions.seek_to_first(batch)
                 book.retry.extend(completions)
-            return
+            return None
         book.committed(txn, started)
+        return txn
 
 
 __all__ = ["Turns"]
