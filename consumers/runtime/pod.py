@@ -264,7 +264,8 @@ class Pod:
         try:
             await self.ownership.cancel_tasks(_CLOSE_RESERVE_S)
             if self._config_record is not None and not self._config_record.done():
-                self._config_record.cancel()
+                self._config_record.cancel()  # its retries end with the pod
+                await asyncio.wait({self._config_record}, timeout=_CLOSE_RESERVE_S / 2)
             with contextlib.suppress(Exception):  # a last checkpoint (proven: safe past a take-over too)
                 await asyncio.wait_for(self._store.checkpoint(self._store.owned()), _CLOSE_RESERVE_S / 2)
             consumer, sinks = self.ownership.consumer, self.ownership.sinks

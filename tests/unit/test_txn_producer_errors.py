@@ -38,6 +38,7 @@ def test_every_fence_code_is_producer_fenced(code: int) -> None:
         (KafkaError.MSG_SIZE_TOO_LARGE, MessageSizeTooLargeError, True),
         (KafkaError._INVALID_ARG, RecordRefused, True),
         (KafkaError._BAD_MSG, RecordRefused, True),
+        (KafkaError.INVALID_RECORD, RecordRefused, True),  # 87: aiokafka has no class (UnknownError)
         (KafkaError.TOPIC_AUTHORIZATION_FAILED, TopicAuthorizationFailedError, False),
         (KafkaError.INVALID_TIMESTAMP, InvalidTimestampError, False),
         (KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER, OutOfOrderSequenceNumber, False),

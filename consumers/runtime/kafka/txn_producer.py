@@ -60,6 +60,9 @@ _QUEUE_FULL_WAIT_S: Final = 0.01
 
 #: librdkafka's own codes for a record refused for its content (a broker's refusal has a broker code).
 _LOCAL_RECORD_CODES: Final = frozenset({KafkaError._INVALID_ARG, KafkaError._BAD_MSG})
+#: The broker's refusals of a record for what it is that aiokafka has no class for: INVALID_RECORD
+#: (87: e.g. a null key on a compacted topic) would otherwise be an UnknownError, the world's.
+_BROKER_RECORD_CODES: Final = frozenset({KafkaError.INVALID_RECORD})
 #: A record librdkafka dropped unsent because its transaction failed or aborted: a consequence,
 #: never the cause (its report may even come before the cause's, or in the next transaction's).
 _PURGED_CODES: Final = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
@@ -158,7 +161,7 @@ def _as_aiokafka(error: KafkaError, where: str = "") -> BaseException:
         translated = ProducerFenced(message)
     elif code == KafkaError._FATAL or error.fatal():
         translated = FatalProducer(message)
-    elif code in _LOCAL_RECORD_CODES:
+    elif code in _LOCAL_RECORD_CODES or code in _BROKER_RECORD_CODES:
         translated = RecordRefused(message)
     elif code > 0:  # the broker's code: aiokafka's class for it (MessageSizeTooLargeError, ...)
         translated = for_code(code)(message)
