@@ -21,12 +21,12 @@ from aiokafka.errors import (
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 from google.protobuf.message import EncodeError
 
-from resilience.episode import Episode
 from consumers.runtime.kafka.failures import is_deterministic
 from consumers.runtime.kafka.topology import Topics
 from consumers.runtime.kafka.txn_producer import BrokerWaitExpired, RecordRefused
 from events.codec import DecodeError, decode_input, encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
+from resilience.episode import Episode
 
 
 def _wrapped(cause: BaseException) -> KafkaError:
