@@ -239,7 +239,10 @@ class CommitBook:
             # broker's; a new producer (InitProducerId: a new epoch) starts them afresh.
             await self.ownership.renew(partition)
         if action in (Action.ONE_RECORD, Action.DEAD_LETTER):
-            completions = self._isolate(txn, batch, completions, error, give_up=action is Action.DEAD_LETTER)
+            give_up = action is Action.DEAD_LETTER
+            completions = self._isolate(
+                txn, batch, completions, error, give_up=give_up, error_class=type(exc).__name__
+            )
         self.retry.extend(completions)
 
     def _episode(self, partition: int) -> Episode:
@@ -277,6 +280,7 @@ class CommitBook:
         error: str,
         *,
         give_up: bool,
+        error_class: str = "",
     ) -> list[Completion]:
         """Small steps from here (the first such failure marks the partition a suspect until the
         whole failed batch is behind it); ``give_up``: the step failed N times the same way: a
@@ -326,7 +330,12 @@ class CommitBook:
         reason = f"{TRANSACTION_FAILED}{attempts} times the same way: {error}"
         doomed = self.doomed.get(subject)
         # Its dead letter failed as well (the dead-letter topic's own limit): the next one is bare.
-        self.doomed[subject] = (
-            Doom(reason, unparsable=doomed.unparsable, bare=True) if doomed else Doom(reason)
+        self.doomed[subject] = Doom(
+            reason,
+            unparsable=doomed.unparsable if doomed else False,
+            bare=doomed is not None,
+            error_class=error_class,
+            error_message=error,
+            attempts=attempts,
         )
         return completions

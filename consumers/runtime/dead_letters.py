@@ -8,6 +8,7 @@ not be produced would stop its partition, which is what dead-lettering exists to
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Final
 
 from aiokafka import ConsumerRecord
@@ -52,14 +53,36 @@ def bounded_reason(reason: str) -> str:
     return f"{reason[:REASON_KEPT_CHARS]}… ({len(reason) - REASON_KEPT_CHARS} characters cut)"
 
 
-def _envelope(topic: str, partition: int, offset: int, reason: str, pod_id: str) -> list[tuple[str, bytes]]:
-    return [
+@dataclass(frozen=True)
+class Provenance:
+    """What operators' tools read of a dead letter besides its place and reason (Kafka Connect's
+    and Spring Kafka's error headers carry the same): the consumer group that gave it up, the
+    exception behind it (none for a refusal by the rules), and how many times it was met."""
+
+    group: str = ""
+    error_class: str = ""
+    error_message: str = ""
+    attempts: int = 1
+
+
+def _envelope(
+    topic: str, partition: int, offset: int, reason: str, pod_id: str, why: Provenance | None = None
+) -> list[tuple[str, bytes]]:
+    headers = [
         ("dlq_reason", bounded_reason(reason).encode()),
         ("dlq_source_topic", topic.encode()),
         ("dlq_source_partition", str(partition).encode()),
         ("dlq_source_offset", str(offset).encode()),
         ("dlq_pod", pod_id.encode()),
     ]
+    if why is not None:
+        if why.group:
+            headers.append(("dlq_consumer_group", why.group.encode()))
+        if why.error_class:
+            headers.append(("dlq_exception_class", why.error_class.encode()))
+            headers.append(("dlq_exception_message", bounded_reason(why.error_message).encode()))
+        headers.append(("dlq_attempts", str(why.attempts).encode()))
+    return headers
 
 
 def source_of_dead_letter(headers: Headers) -> tuple[str, int, int] | None:
@@ -74,8 +97,10 @@ def source_of_dead_letter(headers: Headers) -> tuple[str, int, int] | None:
         return None
 
 
-def dead_letter_record(rec: ConsumerRecord[bytes, bytes], reason: str, pod_id: str) -> EncodedRecord:
-    own = _envelope(rec.topic, rec.partition, rec.offset, reason, pod_id)
+def dead_letter_record(
+    rec: ConsumerRecord[bytes, bytes], reason: str, pod_id: str, why: Provenance | None = None
+) -> EncodedRecord:
+    own = _envelope(rec.topic, rec.partition, rec.offset, reason, pod_id, why)
     copied: list[tuple[str, bytes]] = []
     room = HEADERS_KEPT_BYTES
     for name, value in rec.headers or ():
@@ -92,13 +117,15 @@ def dead_letter_record(rec: ConsumerRecord[bytes, bytes], reason: str, pod_id: s
     return EncodedRecord(key=key, value=value, headers=[*copied, *own])
 
 
-def bare_dead_letter(rec: ConsumerRecord[bytes, bytes], reason: str, pod_id: str) -> EncodedRecord:
+def bare_dead_letter(
+    rec: ConsumerRecord[bytes, bytes], reason: str, pod_id: str, why: Provenance | None = None
+) -> EncodedRecord:
     """The smallest dead letter: where the record is, why, and its parts' sizes and hashes only.
 
     For a record whose full dead letter the dead-letter topic itself refused (its own size limit):
     a dead letter must always get through.
     """
-    headers = _envelope(rec.topic, rec.partition, rec.offset, reason, pod_id)
+    headers = _envelope(rec.topic, rec.partition, rec.offset, reason, pod_id, why)
     _cut("key", rec.key or b"", 0, headers)
     _cut("value", rec.value or b"", 0, headers)
     if rec.headers:
@@ -107,9 +134,9 @@ def bare_dead_letter(rec: ConsumerRecord[bytes, bytes], reason: str, pod_id: str
 
 
 def unparsable_dead_letter(
-    topic: str, partition: int, offset: int, reason: str, pod_id: str
+    topic: str, partition: int, offset: int, reason: str, pod_id: str, why: Provenance | None = None
 ) -> EncodedRecord:
     """For a record the Kafka client cannot parse: where it is and why; its bytes are out of reach."""
-    headers = _envelope(topic, partition, offset, reason, pod_id)
+    headers = _envelope(topic, partition, offset, reason, pod_id, why)
     headers.append(("dlq_unparsable", b"true"))
     return EncodedRecord(key=b"", value=b"", headers=headers)

@@ -22,6 +22,7 @@ from consumers.lanes.outbox import new_effects
 from consumers.runtime import tracing
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.dead_letters import (
+    Provenance,
     ahead_of_pod_reason,
     bare_dead_letter,
     dead_letter_record,
@@ -217,6 +218,7 @@ class PartitionTransaction:
                 "transaction_failed" if failed else "unparsable",
                 unparsable=doomed.unparsable,
                 bare=doomed.bare,
+                doom=doomed,
             )
             return False
         await schema_registry.ensure(rec.value)  # a framed input's schema id, looked up once (cached)
@@ -230,7 +232,7 @@ class PartitionTransaction:
                 topic_carries=self.config.topics.carries(rec.topic),
             )
         except DecodeError as exc:
-            await self._dead_letter(rec, exc.reason, _decode_class(exc.reason))
+            await self._dead_letter(rec, exc.reason, _decode_class(exc.reason), error=exc)
             return False
         ahead_s = _ahead_of_now(event)
         if ahead_s is not None and ahead_s > self.config.max_clock_ahead_s > 0:
@@ -257,7 +259,7 @@ class PartitionTransaction:
             if span is not None:
                 span.end()
             logger.exception("record processing raised", extra={"executionId": key})
-            await self._dead_letter(rec, f"internal error: {exc!r}", "internal")
+            await self._dead_letter(rec, f"internal error: {exc!r}", "internal", error=exc)
             return False
         if (
             decision.reject is not None
@@ -334,18 +336,30 @@ class PartitionTransaction:
         *,
         unparsable: bool = False,
         bare: bool = False,
+        error: BaseException | None = None,
+        doom: Doom | None = None,
     ) -> None:
-        """``reason_class``: one of :data:`~consumers.runtime.metrics.DEAD_LETTER_REASONS` (its label)."""
+        """``reason_class``: one of :data:`~consumers.runtime.metrics.DEAD_LETTER_REASONS` (its label);
+        ``error``: the exception that refused the record, or ``doom``: the failure it was given up for
+        (none for a refusal by the rules)."""
+        if doom is not None:
+            why = Provenance(self.config.group_id, doom.error_class, doom.error_message, doom.attempts)
+        elif error is not None:
+            message = error.reason if isinstance(error, DecodeError) else str(error)
+            why = Provenance(self.config.group_id, type(error).__name__, message)
+        else:
+            why = Provenance(self.config.group_id)
         self.stats.dead_lettered += 1
         self.metrics.dead_letters.labels(reason_class).inc()
         logger.warning(
             "record dead-lettered",
             extra={"topic": rec.topic, "partition": rec.partition, "offset": rec.offset, "reason": reason},
         )
+        pod = self.config.pod_id
         if unparsable:
-            record = unparsable_dead_letter(rec.topic, rec.partition, rec.offset, reason, self.config.pod_id)
+            record = unparsable_dead_letter(rec.topic, rec.partition, rec.offset, reason, pod, why)
         elif bare:
-            record = bare_dead_letter(rec, reason, self.config.pod_id)
+            record = bare_dead_letter(rec, reason, pod, why)
         else:
-            record = dead_letter_record(rec, reason, self.config.pod_id)
+            record = dead_letter_record(rec, reason, pod, why)
         await self.sink.send(self.config.topics.dead_letter, record)

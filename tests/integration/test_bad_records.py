@@ -232,6 +232,10 @@ async def test_no_bad_record_stops_its_partition(
         "MessageSizeTooLarge" in letter.headers["dlq_reason"]
         or "too large" in letter.headers["dlq_reason"].lower()
     )
+    # What operators' tools read: the group that gave it up, the exception, the attempts.
+    assert letter.headers["dlq_consumer_group"] == env["SANDBOX_LANES_GROUP_ID"]
+    assert letter.headers["dlq_exception_class"] == "MessageSizeTooLargeError"
+    assert letter.headers["dlq_attempts"] == "2"
     assert letter.value == refused.SerializeToString()
     assert composed.pod.health().alive
 

@@ -385,16 +385,28 @@ class TxnProducer:
         return _as_aiokafka(error, named)
 
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
-        """The input offsets into the transaction, then its commit (flushes every record first)."""
+        """The input offsets into the transaction, then its commit (flushes every record first).
+
+        A record the broker refused can show first here, as ``_STATE`` (the offsets' request met
+        the transaction already abortable) before its delivery report was served: the reports are
+        served then, and the refused record's own error is the answer, as in ``produce()``."""
         producer = self._handle
-        if offsets:
-            await self._blocking(
-                producer.send_offsets_to_transaction,
-                [RdTopicPartition(tp.topic, tp.partition, off) for tp, off in offsets.items()],
-                self._metadata,
-                self._timeout_s,
-            )
-        await self._blocking(producer.commit_transaction, self._timeout_s)
+        try:
+            if offsets:
+                await self._blocking(
+                    producer.send_offsets_to_transaction,
+                    [RdTopicPartition(tp.topic, tp.partition, off) for tp, off in offsets.items()],
+                    self._metadata,
+                    self._timeout_s,
+                )
+            await self._blocking(producer.commit_transaction, self._timeout_s)
+        except Exception as exc:
+            cause = exc.__cause__
+            if isinstance(cause, KafkaException) and not self.abandoned:
+                answer = await self._refused(producer, cause)
+                if answer is not exc and not isinstance(answer, type(exc)):
+                    raise answer from exc
+            raise
 
     async def flush(self) -> None:
         """Wait until every record handed over so far is on the broker (still uncommitted)."""

@@ -44,6 +44,10 @@ class Doom(NamedTuple):
     #: Its dead letter kept failing too (a dead-letter topic with a smaller size limit): send one
     #: with the original's sizes and hashes only.
     bare: bool = False
+    #: The failure behind it: its exception's class and message, and how many times it was met.
+    error_class: str = ""
+    error_message: str = ""
+    attempts: int = 1
 
 
 def record_ref(rec: ConsumerRecord[bytes, bytes]) -> RecordRef:
@@ -128,7 +132,9 @@ async def fetch_around_unparsable(
                         "record the Kafka client cannot parse: dead-lettering it",
                         extra={"topic": tp.topic, "partition": tp.partition, "offset": bad, "reason": reason},
                     )
-                    doomed[(tp.topic, tp.partition, bad)] = Doom(reason, unparsable=True)
+                    doomed[(tp.topic, tp.partition, bad)] = Doom(
+                        reason, unparsable=True, error_class=type(cause).__name__, error_message=str(cause)
+                    )
                     ahead.append(_placeholder(tp, bad, ahead[-1].timestamp if ahead else 0))
                     consumer.seek(tp, bad + 1)
                 if ahead:
