@@ -16,12 +16,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import murmur2
 
@@ -182,20 +182,6 @@ class Pod:
             restored=self.ready.is_set(),
             stall_after_s=stall_after_s,
         )
-
-    # --- the group's callbacks (kept here: tests and the harness call them on the pod) -----------
-
-    def assigned(self, assigned: set[TopicPartition]) -> None:
-        self.ownership.assigned(assigned)
-
-    async def release(self, partitions: set[int]) -> None:
-        await self.ownership.release(partitions)
-
-    async def restore(self, partitions: set[int]) -> None:
-        await self.ownership.restore(partitions)
-
-    async def _turn(self, fetched: Mapping[TopicPartition, list[ConsumerRecord[bytes, bytes]]]) -> None:
-        await self.turns.turn(fetched)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
