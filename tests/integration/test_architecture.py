@@ -60,7 +60,12 @@ def test_the_product_wheel_ships_without_the_harness_and_runs_without_test_extra
     (wheel,) = wheels.glob("sandbox_lanes-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     tops = {name.split("/", 1)[0] for name in names}
-    assert {t for t in tops if not t.endswith((".dist-info", ".data"))} == {"resilience", "consumers", "drivers", "events"}
+    assert {t for t in tops if not t.endswith((".dist-info", ".data"))} == {
+        "resilience",
+        "consumers",
+        "drivers",
+        "events",
+    }
     # Every driver package is listed (pyproject [tool.setuptools] packages); the test driver is not in it.
     for package in ("drivers/kubernetes", "drivers/agent_sandbox", "drivers/runner"):
         assert f"{package}/__init__.py" in names, package

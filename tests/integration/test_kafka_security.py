@@ -159,7 +159,9 @@ async def test_the_pod_runs_the_whole_flow_over_sasl_ssl_with_exactly_the_docume
     password, env, settings = await pod_deployment(secured_kafka, tmp_path, user)
     topics = settings.topics
     acls = pod_acls(f"User:{user}", topics, settings.group_id)
-    assert len(acls) == 6  # inputs, state, the state topic's configs (delete.retention.ms), outputs, group, transactional ids
+    assert (
+        len(acls) == 6
+    )  # inputs, state, the state topic's configs (delete.retention.ms), outputs, group, transactional ids
     for args in acls:
         secured_kafka.kafka_acls(*args)
 

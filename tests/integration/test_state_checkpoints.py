@@ -356,7 +356,11 @@ async def test_a_pod_killed_with_its_commits_past_its_checkpoint_loses_and_dupli
     assert restored, second.log()[-2000:]
     # It resumed from the checkpoints and read the whole tail since (the commits after them).
     assert sum(r["fromCheckpoint"] for r in restored) == 2
-    behind = [r for r in await read_all(kafka_bootstrap, topics.state) if stuck[r.partition] <= r.offset < ends[r.partition]]
+    behind = [
+        r
+        for r in await read_all(kafka_bootstrap, topics.state)
+        if stuck[r.partition] <= r.offset < ends[r.partition]
+    ]
     assert len(behind) > 40 and sum(r["records"] for r in restored) >= len(behind), (len(behind), restored)
     assert_one_outcome_each(
         await committed_outcomes(kafka_bootstrap, topics.outcomes),
@@ -374,7 +378,11 @@ async def test_a_pod_killed_with_its_commits_past_its_checkpoint_loses_and_dupli
         # The checkpoints moved forward again: past the tail, and where the second pod committed
         # (a state record of its own past the kill's ends), to its last commit's marker.
         last = await _ends(kafka_bootstrap, topics.state)
-        written = {r.partition for r in await read_all(kafka_bootstrap, topics.state) if r.offset >= ends[r.partition]}
+        written = {
+            r.partition
+            for r in await read_all(kafka_bootstrap, topics.state)
+            if r.offset >= ends[r.partition]
+        }
         moved = {p: int(str((disk.checkpoint_of(p) or {})["offset"])) for p in (0, 1)}
         assert written and all(moved[p] >= ends[p] > stuck[p] for p in (0, 1)), (moved, ends, stuck)
         assert {p: moved[p] for p in written} == {p: last[p] - 1 for p in written}, (moved, last)

@@ -317,9 +317,15 @@ async def test_a_discarded_partition_still_owned_is_restored_without_running_a_c
         await admin.close()
     states = {}
     for i in range(3):  # three executions, each with a teardown in its outbox
-        state = state_pb2.ExecutionState(execution_id=f"e{i}", created=True, kind=common_pb2.WORKFLOW_EXECUTION)
+        state = state_pb2.ExecutionState(
+            execution_id=f"e{i}", created=True, kind=common_pb2.WORKFLOW_EXECUTION
+        )
         entry = state.pending.add()
-        entry.effect_id, entry.op, entry.sandbox_id = f"teardown-e{i}", state_pb2.EFFECT_OP_DEPROVISION, f"sb-e{i}"
+        entry.effect_id, entry.op, entry.sandbox_id = (
+            f"teardown-e{i}",
+            state_pb2.EFFECT_OP_DEPROVISION,
+            f"sb-e{i}",
+        )
         entry.scope = next(iter(SCOPE_ENUM.values()))
         states[f"e{i}"] = state
     producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")

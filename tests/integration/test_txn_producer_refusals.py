@@ -142,6 +142,38 @@ async def test_a_record_refused_mid_transaction_fails_the_later_produce_with_its
         producer.close()
 
 
+@pytest.mark.timeout(120)
+async def test_a_record_refused_just_before_the_commit_fails_the_commit_with_its_own_error(
+    kafka_bootstrap: str,
+) -> None:
+    """No produce() after the refused record: the commit's flush meets the refusal and librdkafka
+    answers ``_INCONSISTENT`` ("failed delivery, see individual delivery reports"). The report is
+    served and its error is the commit's answer, naming the record (CI found the pod reading the
+    bare ``_INCONSISTENT`` as the world's, retrying a dead letter no ACL let it write for ever)."""
+    run = uuid.uuid4().hex[:8]
+    topic = f"refusing-at-commit-{run}"
+    await _topic(kafka_bootstrap, topic)
+    producer = _producer(kafka_bootstrap, run)
+    try:
+        await producer.init()
+        producer.begin()
+        await producer.produce(topic, b"ordinary", b"ordinary", None, 0)
+        await producer.produce(topic, b"r" * REFUSED_BYTES, b"the-refused-one", None, 1)
+        # The broker's refusal arrives before the commit starts (as when the pod's batch is long):
+        # librdkafka then fails the commit at once, its reports unserved. Waiting here only sets the
+        # scene; the verdict is the commit's answer.
+        await asyncio.sleep(2.0)
+        with pytest.raises(MessageSizeTooLargeError) as raised:
+            await producer.commit({})
+        print(f"\ncommit() answered {type(raised.value).__name__}: {raised.value}")
+        assert is_deterministic(raised.value), repr(raised.value)
+        assert f"{topic} [1] key 'the-refused-one'" in str(raised.value), str(raised.value)
+        await producer.abort()
+    finally:
+        producer.close()
+    assert await _committed_values(kafka_bootstrap, topic) == []
+
+
 #: The state topic's limit in the pod test: a 30 kB org makes a state record it refuses.
 STATE_LIMIT_BYTES = 20_000
 #: Creates before and after the refused one, all in the pod's first fetch (one transaction): enough
@@ -190,8 +222,10 @@ async def test_the_pod_dead_letters_a_record_refused_mid_transaction_and_provisi
     answered: list[BaseException] = []
     refused_for = TxnProducer._refused
 
-    async def counted(self: TxnProducer, producer: Producer, exc: KafkaException) -> BaseException:
-        answer = await refused_for(self, producer, exc)
+    async def counted(
+        self: TxnProducer, producer: Producer, exc: KafkaException, *, at_commit: bool = False
+    ) -> BaseException:
+        answer = await refused_for(self, producer, exc, at_commit=at_commit)
         if exc.args and isinstance(exc.args[0], KafkaError) and exc.args[0].code() == KafkaError._STATE:
             answered.append(answer)
         return answer
@@ -224,8 +258,12 @@ async def test_the_pod_dead_letters_a_record_refused_mid_transaction_and_provisi
     assert all(is_deterministic(a) and isinstance(a, MessageSizeTooLargeError) for a in answered), answered
     (letter,) = letters
     assert letter.key == refused.execution_id
-    assert letter.headers["dlq_reason"].startswith("its transaction failed 2 times the same way"), letter.headers
+    assert letter.headers["dlq_reason"].startswith("its transaction failed 2 times the same way"), (
+        letter.headers
+    )
     assert "too large" in letter.headers["dlq_reason"].lower(), letter.headers
     assert {r.key for r in states} == set(ordinary)  # every other create decided, the refused one not
-    provisioned = [o.message.execution_id for o in outcomes if isinstance(o.message, outcomes_pb2.SandboxProvisioned)]
+    provisioned = [
+        o.message.execution_id for o in outcomes if isinstance(o.message, outcomes_pb2.SandboxProvisioned)
+    ]
     assert len(provisioned) == len(set(provisioned)) and set(provisioned) <= set(ordinary)

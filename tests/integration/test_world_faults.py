@@ -157,7 +157,9 @@ async def test_a_phase_change_waits_for_its_create_held_back_longer_than_the_old
             held_at = time.monotonic()
             while time.monotonic() - held_at < HELD_BACK_S:
                 assert gate.holds(sent.topic, sent.partition, sent.offset), "the phase change was let go"
-                assert pod.stats.dead_lettered == 0, "the phase change was dead-lettered while its create was held"
+                assert pod.stats.dead_lettered == 0, (
+                    "the phase change was dead-lettered while its create was held"
+                )
                 assert pod.health().alive, pod.health()
                 await asyncio.sleep(1.0)
             assert sum(pod.stats.consumed.values()) == consumed_before, pod.stats.consumed

@@ -58,7 +58,9 @@ def _levels(caplog: pytest.LogCaptureFixture, logger: str) -> list[tuple[int, st
     return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == logger]
 
 
-def test_an_episode_logs_one_error_then_reminds_at_warning_and_ends_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_episode_logs_one_error_then_reminds_at_warning_and_ends_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     clock = _Clock()
     episode = Episode(
         "the work", logging.getLogger("t.ep1"), clock=clock, rng=lambda: 0.0, remind_s=300.0, settle_s=10.0

@@ -93,7 +93,9 @@ def test_a_refused_batch_renews_the_producer_only_under_exactly_once() -> None:
 @pytest.mark.parametrize("limit", [1, 2, 3, 5])
 def test_a_step_is_given_up_exactly_at_its_nth_failure(limit: int) -> None:
     actions = [
-        decide(Site.TRANSACTION, Fault.RECORD, History(same_subject_attempts=n, dead_letter_attempts=limit)).action
+        decide(
+            Site.TRANSACTION, Fault.RECORD, History(same_subject_attempts=n, dead_letter_attempts=limit)
+        ).action
         for n in range(0, limit + 2)
     ]
     # 0: a batch (no single step yet) → small steps; then small steps until the Nth failure.

@@ -303,8 +303,11 @@ def test_a_failed_write_moves_no_count_checkpoint_or_proof(tmp_path: Path) -> No
         (Exception("Corruption: block checksum mismatch: stored = 1, computed = 2"), False, "corrupt"),
         (Exception("Corruption: CURRENT file corrupted"), True, "corrupt"),
         (Exception("IO error: No space left on device: While appending to file"), True, "disk_full"),
-        (Exception("IO error: While open a file for appending: x/000012.log: Permission denied"), True,
-         "unwritable"),
+        (
+            Exception("IO error: While open a file for appending: x/000012.log: Permission denied"),
+            True,
+            "unwritable",
+        ),
         (Exception("IO error: While mkdir if missing: x: Read-only file system"), True, "unwritable"),
         (FileExistsError(17, "File exists"), True, "not_a_directory"),
         (NotADirectoryError(20, "Not a directory"), True, "not_a_directory"),
@@ -349,7 +352,9 @@ def _prepared(tmp_path: Path, bounds: Bounds, now_ms: int | None = None) -> tupl
     store = RocksDBStore("state", 0.0, directory=tmp_path)
     store._delete_retention_ms = 86_400_000
     rebuilt: dict[int, str] = {}
-    part, start, resumed = store._prepare(0, bounds, "read_committed", now_ms or int(time.time() * 1000), rebuilt)
+    part, start, resumed = store._prepare(
+        0, bounds, "read_committed", now_ms or int(time.time() * 1000), rebuilt
+    )
     held = part.count
     part.close()
     assert (held == 0) == (not resumed)  # a fresh database when it starts over

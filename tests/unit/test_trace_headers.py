@@ -38,7 +38,9 @@ def _record(headers: Sequence[tuple[str, bytes | None]]) -> ConsumerRecord[bytes
     return ConsumerRecord("execution-created", 0, 7, 1_000, 0, b"k", b"v", None, 1, 1, headers)
 
 
-def _process_span(tracing: Tracing, exporter: InMemorySpanExporter, headers: Sequence[tuple[str, bytes | None]]) -> ReadableSpan:
+def _process_span(
+    tracing: Tracing, exporter: InMemorySpanExporter, headers: Sequence[tuple[str, bytes | None]]
+) -> ReadableSpan:
     with tracing.input(_record(headers)):
         pass
     (span,) = exporter.get_finished_spans()
@@ -101,6 +103,8 @@ def test_a_malformed_tracestate_beside_a_valid_traceparent_keeps_the_parent(
 
 
 def test_trace_headers_leave_a_null_value_out() -> None:
-    assert trace_headers([("traceparent", None), ("tracestate", b"a=b"), ("other", b"x")]) == {"tracestate": "a=b"}
+    assert trace_headers([("traceparent", None), ("tracestate", b"a=b"), ("other", b"x")]) == {
+        "tracestate": "a=b"
+    }
     assert trace_headers(None) == {}
     assert trace_headers([("traceparent", b"one"), ("traceparent", b"two")]) == {"traceparent": "two"}

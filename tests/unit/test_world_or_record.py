@@ -85,7 +85,13 @@ def test_an_episode_logs_its_start_and_its_end_once_and_backs_off(caplog: pytest
     log = logging.getLogger("test.episode")
     now = [100.0]
     episode = Episode(
-        "fetching", log, first_delay_s=0.1, max_delay_s=1.0, settle_s=10.0, clock=lambda: now[0], rng=lambda: 0.0
+        "fetching",
+        log,
+        first_delay_s=0.1,
+        max_delay_s=1.0,
+        settle_s=10.0,
+        clock=lambda: now[0],
+        rng=lambda: 0.0,
     )
     with caplog.at_level(logging.INFO, logger="test.episode"):
         delays = [episode.failed(KafkaConnectionError(f"down {i}")) for i in range(6)]

@@ -353,22 +353,32 @@ class TxnProducer:
             except KafkaException as exc:
                 raise await self._refused(producer, exc) from exc
 
-    async def _refused(self, producer: Producer, exc: KafkaException) -> BaseException:
-        """What a failed ``produce()`` means. ``_STATE`` in an open transaction: an earlier record
-        failed (the broker refused it) and librdkafka waits for an abort; that record's delivery
-        report holds the reason. The reports are served (a flush, up to the deadline: the refused
-        record's report follows the state change at once, the others as the broker answers) and the
-        first failed record's error is the answer, naming it. Otherwise the error as it is."""
+    async def _refused(
+        self, producer: Producer, exc: KafkaException, *, at_commit: bool = False
+    ) -> BaseException:
+        """What a failed ``produce()`` (or, ``at_commit``, a failed commit) means.
+
+        ``_STATE`` in an open transaction: an earlier record failed (the broker refused it) and
+        librdkafka waits for an abort; that record's delivery report holds the reason. The reports
+        are served (a flush, up to the deadline: the refused record's report follows the state
+        change at once, the others as the broker answers) and the first failed record's error is
+        the answer, naming it. A failed commit: the reports already queued are served (librdkafka
+        fails the commit at once when a refusal came first, ``_INCONSISTENT`` or the refusal's own
+        code, its reports unserved) and a failed record's error, naming it, is the answer.
+        Otherwise the error as it is."""
         error = exc.args[0] if exc.args and isinstance(exc.args[0], KafkaError) else None
-        if error is None or error.code() != KafkaError._STATE:
-            return translate(exc)
-        producer.poll(0)  # reports already queued
-        if self._failed is None:
-            try:
-                await self._blocking(producer.flush, self._timeout_s)
-            except Exception as flush_failed:  # the world's (a deadline: abandoned): said as it is
-                return flush_failed
-        refusal = self._first_failure(purged_too=True)
+        refusal: BaseException | None = None
+        if error is not None and error.code() == KafkaError._STATE:
+            producer.poll(0)  # reports already queued
+            if self._failed is None:
+                try:
+                    await self._blocking(producer.flush, self._timeout_s)
+                except Exception as flush_failed:  # the world's (a deadline: abandoned): as it is
+                    return flush_failed
+            refusal = self._first_failure(purged_too=True)
+        elif error is not None and at_commit:
+            producer.poll(0)
+            refusal = self._first_failure(purged_too=error.code() == KafkaError._INCONSISTENT)
         return translate(exc) if refusal is None else refusal
 
     def _first_failure(self, *, purged_too: bool = False) -> BaseException | None:
@@ -387,9 +397,11 @@ class TxnProducer:
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
         """The input offsets into the transaction, then its commit (flushes every record first).
 
-        A record the broker refused can show first here, as ``_STATE`` (the offsets' request met
-        the transaction already abortable) before its delivery report was served: the reports are
-        served then, and the refused record's own error is the answer, as in ``produce()``."""
+        A record the broker refused can show first here, before its delivery report was served: as
+        ``_STATE`` (the offsets' request met the transaction already abortable), as the commit's
+        ``_INCONSISTENT`` ("failed delivery, see individual delivery reports") or as the refusal's
+        own code with no record named. The reports are served then, and the refused record's own
+        error is the answer, as in ``produce()``."""
         producer = self._handle
         try:
             if offsets:
@@ -403,8 +415,8 @@ class TxnProducer:
         except Exception as exc:
             cause = exc.__cause__
             if isinstance(cause, KafkaException) and not self.abandoned:
-                answer = await self._refused(producer, cause)
-                if answer is not exc and not isinstance(answer, type(exc)):
+                answer = await self._refused(producer, cause, at_commit=True)
+                if str(answer) != str(exc):  # a record named, or a flush's own failure
                     raise answer from exc
             raise
 
