@@ -56,6 +56,7 @@ OutcomeEvent: TypeAlias = (
     | outcomes_pb2.SandboxDeprovisioned
     | outcomes_pb2.SandboxTeardownFailed
     | outcomes_pb2.SandboxReaped
+    | outcomes_pb2.SandboxQueued
 )
 Headers: TypeAlias = Sequence[tuple[str, bytes]]
 
@@ -71,6 +72,7 @@ OUTCOME_TYPES: Final[dict[str, type[Message]]] = {
         outcomes_pb2.SandboxDeprovisioned,
         outcomes_pb2.SandboxTeardownFailed,
         outcomes_pb2.SandboxReaped,
+        outcomes_pb2.SandboxQueued,
     )
 }
 STATE_TYPE: Final = TYPE_PREFIX + state_pb2.ExecutionState.DESCRIPTOR.name

@@ -202,3 +202,40 @@ class SandboxReaped(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SandboxReaped: _TypeAlias = SandboxReaped  # noqa: Y015
+
+@_typing.final
+class SandboxQueued(_message.Message):
+    """An execution waits for capacity (a cap is full): upstream learns it waits, why and where in the
+    queue. Written by the execution's partition when the ledger answers CapacityQueued.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    META_FIELD_NUMBER: _builtins.int
+    EXECUTION_ID_FIELD_NUMBER: _builtins.int
+    SANDBOX_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    execution_id: _builtins.str
+    reason: _builtins.str
+    position: _builtins.int
+    @_builtins.property
+    def meta(self) -> _common_pb2.EventMeta: ...
+    @_builtins.property
+    def sandbox(self) -> _common_pb2.SandboxRef: ...
+    def __init__(
+        self,
+        *,
+        meta: _common_pb2.EventMeta | None = ...,
+        execution_id: _builtins.str = ...,
+        sandbox: _common_pb2.SandboxRef | None = ...,
+        reason: _builtins.str = ...,
+        position: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["meta", b"meta", "sandbox", b"sandbox"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["execution_id", b"execution_id", "meta", b"meta", "position", b"position", "reason", b"reason", "sandbox", b"sandbox"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SandboxQueued: _TypeAlias = SandboxQueued  # noqa: Y015

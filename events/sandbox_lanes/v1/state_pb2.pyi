@@ -198,6 +198,7 @@ class ExecutionState(_message.Message):
     REFUSAL_REASON_FIELD_NUMBER: _builtins.int
     SESSION_DELETED_FIELD_NUMBER: _builtins.int
     CONFIG_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
     schema_version: _builtins.int
     execution_id: _builtins.str
     kind: _common_pb2.ExecutionKind.ValueType
@@ -255,6 +256,10 @@ class ExecutionState(_message.Message):
         arriving later is stale and moves nothing.
         """
 
+    @_builtins.property
+    def capacity(self) -> Global___CapacityWait:
+        """Set when a cap is on: the execution's place in the capacity ledger (docs/guarantees.md "Capacity")."""
+
     def __init__(
         self,
         *,
@@ -278,14 +283,58 @@ class ExecutionState(_message.Message):
         refusal_reason: _builtins.str = ...,
         session_deleted: _builtins.bool = ...,
         config_fingerprint: _builtins.str = ...,
+        capacity: Global___CapacityWait | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_event", b"created_event", "phase_changed_at", b"phase_changed_at", "updated_at", b"updated_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "created_event", b"created_event", "phase_changed_at", b"phase_changed_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "config_fingerprint", b"config_fingerprint", "created", b"created", "created_event", b"created_event", "deferred_status_error", b"deferred_status_error", "execution_id", b"execution_id", "kind", b"kind", "org", b"org", "pending", b"pending", "phase", b"phase", "phase_changed_at", b"phase_changed_at", "refusal_reason", b"refusal_reason", "refused", b"refused", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_deleted", b"session_deleted", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_count", b"applied_count", "applied_event_ids", b"applied_event_ids", "capacity", b"capacity", "config_fingerprint", b"config_fingerprint", "created", b"created", "created_event", b"created_event", "deferred_status_error", b"deferred_status_error", "execution_id", b"execution_id", "kind", b"kind", "org", b"org", "pending", b"pending", "phase", b"phase", "phase_changed_at", b"phase_changed_at", "refusal_reason", b"refusal_reason", "refused", b"refused", "sandboxes", b"sandboxes", "schema_version", b"schema_version", "session_deleted", b"session_deleted", "session_id", b"session_id", "status_error", b"status_error", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ExecutionState: _TypeAlias = ExecutionState  # noqa: Y015
+
+@_typing.final
+class CapacityWait(_message.Message):
+    """An execution's sandbox as the capacity ledger sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SANDBOX_KEY_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    ADMITTED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    POSITION_FIELD_NUMBER: _builtins.int
+    REQUESTED_AT_FIELD_NUMBER: _builtins.int
+    RELEASED_FIELD_NUMBER: _builtins.int
+    sandbox_key: _builtins.str
+    waiting: _builtins.bool
+    """Requested and not yet answered admitted / timed out."""
+    admitted: _builtins.bool
+    reason: _builtins.str
+    """The last CapacityQueued's reason and position; the time-out's reason."""
+    position: _builtins.int
+    released: _builtins.bool
+    """The release has been written (the sandbox no longer counts for this execution)."""
+    @_builtins.property
+    def requested_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        sandbox_key: _builtins.str = ...,
+        waiting: _builtins.bool = ...,
+        admitted: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+        position: _builtins.int = ...,
+        requested_at: _timestamp_pb2.Timestamp | None = ...,
+        released: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["requested_at", b"requested_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "position", b"position", "reason", b"reason", "released", b"released", "requested_at", b"requested_at", "sandbox_key", b"sandbox_key", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CapacityWait: _TypeAlias = CapacityWait  # noqa: Y015
 
 @_typing.final
 class LaneConfigApplied(_message.Message):
