@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError as ProtobufDecodeError
 from google.protobuf.message import Message
 
 from events import schema_registry
-from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
+from events.sandbox_lanes.v1 import capacity_pb2, common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 from events.wire_formats import (
     JSON_CONTENT_TYPES,
     STRUCTURED_CONTENT_TYPE,
@@ -50,6 +50,18 @@ TIMESTAMP_MIN_SECONDS: Final = -62_135_596_800
 TIMESTAMP_MAX_SECONDS: Final = 253_402_300_799
 
 InputEvent: TypeAlias = inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged | inputs_pb2.SessionDeleted
+#: The capacity ledger's answers to an execution's partition (docs/guarantees.md "Capacity"): decided
+#: by the rules like an input, but written by the pod itself, on the admissions topic.
+CapacityAnswer: TypeAlias = (
+    capacity_pb2.CapacityQueued | capacity_pb2.CapacityAdmitted | capacity_pb2.CapacityTimedOut
+)
+#: What the rules decide: an upstream input or a capacity answer.
+DecidedEvent: TypeAlias = InputEvent | CapacityAnswer
+#: The capacity log's records (one partition): requests and releases from the execution partitions,
+#: the ledger owner's ticks.
+CapacityRecord: TypeAlias = (
+    capacity_pb2.CapacityRequested | capacity_pb2.CapacityReleased | capacity_pb2.CapacityTick
+)
 OutcomeEvent: TypeAlias = (
     outcomes_pb2.SandboxProvisioned
     | outcomes_pb2.SandboxFailed
@@ -75,10 +87,20 @@ OUTCOME_TYPES: Final[dict[str, type[Message]]] = {
         outcomes_pb2.SandboxQueued,
     )
 }
+CAPACITY_ANSWER_TYPES: Final[dict[str, type[Message]]] = {
+    TYPE_PREFIX + cls.DESCRIPTOR.name: cls
+    for cls in (capacity_pb2.CapacityQueued, capacity_pb2.CapacityAdmitted, capacity_pb2.CapacityTimedOut)
+}
+CAPACITY_LOG_TYPES: Final[dict[str, type[Message]]] = {
+    TYPE_PREFIX + cls.DESCRIPTOR.name: cls
+    for cls in (capacity_pb2.CapacityRequested, capacity_pb2.CapacityReleased, capacity_pb2.CapacityTick)
+}
 STATE_TYPE: Final = TYPE_PREFIX + state_pb2.ExecutionState.DESCRIPTOR.name
 ALL_TYPES: Final[dict[str, type[Message]]] = {
     **INPUT_TYPES,
     **OUTCOME_TYPES,
+    **CAPACITY_ANSWER_TYPES,
+    **CAPACITY_LOG_TYPES,
     STATE_TYPE: state_pb2.ExecutionState,
 }
 
@@ -542,6 +564,34 @@ def decode_input(
     assert isinstance(
         message, inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged | inputs_pb2.SessionDeleted
     )
+    return message
+
+
+def decode_answer(
+    key: bytes | None, value: bytes | None, headers: Iterable[tuple[str, bytes]] | None
+) -> CapacityAnswer:
+    """A record of the admissions topic: the capacity ledger's answer to an execution."""
+    message = decode(key, value, headers, allowed=CAPACITY_ANSWER_TYPES)
+    assert isinstance(
+        message, capacity_pb2.CapacityQueued | capacity_pb2.CapacityAdmitted | capacity_pb2.CapacityTimedOut
+    )
+    if not message.meta.event_id:
+        raise DecodeError("missing meta.event_id")
+    if not message.execution_id:
+        raise DecodeError("missing execution_id")
+    return message
+
+
+def decode_capacity(
+    key: bytes | None, value: bytes | None, headers: Iterable[tuple[str, bytes]] | None
+) -> CapacityRecord:
+    """A record of the capacity log."""
+    message = decode(key, value, headers, allowed=CAPACITY_LOG_TYPES)
+    assert isinstance(
+        message, capacity_pb2.CapacityRequested | capacity_pb2.CapacityReleased | capacity_pb2.CapacityTick
+    )
+    if not message.meta.event_id:
+        raise DecodeError("missing meta.event_id")
     return message
 
 

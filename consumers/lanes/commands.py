@@ -15,7 +15,7 @@ from consumers.lanes.dispatch import (
     WorkflowExecutionTemporalConfig,
 )
 from drivers.contract import SandboxScope
-from events.codec import InputEvent, OutcomeEvent
+from events.codec import CapacityRecord, DecidedEvent, OutcomeEvent
 from events.sandbox_lanes.v1 import common_pb2, state_pb2
 
 SCOPE_ENUM: dict[SandboxScope, int] = {
@@ -42,6 +42,9 @@ class LaneConfig:
     #: is dead-lettered; a finished state is tombstoned this long after its last input.
     max_clock_ahead_s: float | None = None
     state_retention_s: float | None = None
+    #: A cap is on: a create's sandbox waits for the capacity ledger's admission
+    #: (docs/guarantees.md "Capacity"). Off (the default) is upstream's behaviour.
+    capacity: bool = False
 
     def settings(self) -> dict[str, str]:
         """Every setting the rules read, by its environment variable (nothing secret; ``source``,
@@ -68,6 +71,8 @@ class LaneConfig:
                 if self.state_retention_s is None
                 else {"SANDBOX_LANES_STATE_RETENTION_S": f"{self.state_retention_s:g}"}
             ),
+            # Only when on: a configuration without a cap keeps the fingerprint it always had.
+            **({"capacity ledger": "on"} if self.capacity else {}),
         }
 
     @cached_property
@@ -96,6 +101,7 @@ class LaneConfig:
             applied.max_clock_ahead_s = self.max_clock_ahead_s
         if self.state_retention_s is not None:
             applied.state_retention_s = self.state_retention_s
+        applied.capacity = self.capacity
         return applied
 
     @classmethod
@@ -122,6 +128,7 @@ class LaneConfig:
             stamp_fingerprint=stamp,
             max_clock_ahead_s=record.max_clock_ahead_s if record.HasField("max_clock_ahead_s") else None,
             state_retention_s=record.state_retention_s if record.HasField("state_retention_s") else None,
+            capacity=record.capacity,
         )
 
 
@@ -169,7 +176,7 @@ class CommandResult(NamedTuple):
 
 
 class Decision(NamedTuple):
-    event: InputEvent
+    event: DecidedEvent
     state: state_pb2.ExecutionState | None
     """The state with the event applied; ``None`` = nothing to write."""
     commands: tuple[Command, ...] = ()
@@ -177,12 +184,18 @@ class Decision(NamedTuple):
     reject: str | None = None
     """A reason to dead-letter the event instead of applying it."""
     duplicate: bool = False
+    outputs: tuple[OutcomeEvent, ...] = ()
+    """Outcomes decided without a driver call (a capacity wait, a capacity time-out)."""
+    capacity: tuple[CapacityRecord, ...] = ()
+    """Records for the capacity log (a request, a release); their ``partition`` is the runtime's to fill."""
 
 
 class Outcome(NamedTuple):
     state: state_pb2.ExecutionState | None
     outputs: tuple[OutcomeEvent, ...]
     logs: tuple[LogIntent, ...]
+    capacity: tuple[CapacityRecord, ...] = ()
+    """Records for the capacity log (a release once a teardown is folded)."""
 
 
 class StateView:

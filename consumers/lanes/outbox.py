@@ -6,7 +6,7 @@ from __future__ import annotations
 from consumers.lanes.commands import SCOPE_ENUM, Command, Decision, Deprovision, Ensure
 from consumers.lanes.credentials import SandboxCredentialRequest
 from drivers.contract import SandboxScope
-from events.codec import InputEvent, derived_event_id
+from events.codec import DecidedEvent, derived_event_id
 from events.sandbox_lanes.v1 import inputs_pb2, state_pb2
 
 
@@ -16,7 +16,7 @@ def effect_id_of(causation_id: str, command: Command) -> str:
     return derived_event_id(causation_id, kind, command.scope)
 
 
-def fill_pending(state: state_pb2.ExecutionState, event: InputEvent, commands: tuple[Command, ...]) -> None:
+def fill_pending(state: state_pb2.ExecutionState, event: DecidedEvent, commands: tuple[Command, ...]) -> None:
     """The outbox: each command of the decision becomes a pending effect in the decision's state."""
     meta = event.meta
     causation_id = meta.event_id

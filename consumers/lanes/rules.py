@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from consumers.lanes import capacity_rules
 from consumers.lanes.commands import (
     SCOPE_ENUM,
     CommandResult,
@@ -55,8 +56,8 @@ from consumers.lanes.dispatch import (
 from consumers.lanes.outbox import command_of, effect_id_of, fill_pending
 from drivers.contract import SandboxScope
 from drivers.naming import sandbox_base_name
-from events.codec import InputEvent, OutcomeEvent, derived_event_id
-from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
+from events.codec import CapacityAnswer, CapacityRecord, DecidedEvent, OutcomeEvent, derived_event_id
+from events.sandbox_lanes.v1 import capacity_pb2, common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 
 #: How many applied input ids each execution remembers (the duplicate filter).
 APPLIED_IDS_KEPT = 32
@@ -66,7 +67,7 @@ STATE_SCHEMA_VERSION = 1
 # --- decide --------------------------------------------------------------------------------------
 
 
-def decide(event: InputEvent, stored: StateView, config: LaneConfig) -> Decision:
+def decide(event: DecidedEvent, stored: StateView, config: LaneConfig) -> Decision:
     """Apply one input event to the stored state; say which driver commands to run."""
     if not config.enabled:
         # Disabled lane: return before any state access (upstream test: the store proxy throws).
@@ -78,8 +79,12 @@ def decide(event: InputEvent, stored: StateView, config: LaneConfig) -> Decision
         decision = _decide_created(event, current, stored, config)
     elif isinstance(event, inputs_pb2.PhaseChanged):
         decision = _decide_phase_changed(event, current, stored, config)
-    else:
+    elif isinstance(event, inputs_pb2.SessionDeleted):
         decision = _decide_session_deleted(event, current)
+    else:
+        decision = _decide_capacity_answer(event, current, stored, config)
+    if config.capacity:
+        decision = capacity_rules.stop_waiting(capacity_rules.hold_ensures(decision, config), config)
     if decision.commands:
         assert decision.state is not None  # commands always come with a state
         fill_pending(decision.state, event, decision.commands)
@@ -92,7 +97,7 @@ _ExecutionState = state_pb2.ExecutionState
 
 
 def _applied(
-    current: state_pb2.ExecutionState | None, key: str, event: InputEvent
+    current: state_pb2.ExecutionState | None, key: str, event: DecidedEvent
 ) -> state_pb2.ExecutionState:
     # Field by field: upb's attribute sets are cheaper than its keyword constructor.
     meta = event.meta
@@ -318,6 +323,80 @@ def _decide_phase_changed(
     return Decision(event, state)
 
 
+def _lane_again(
+    created_from: inputs_pb2.ExecutionCreated,
+    meta: common_pb2.EventMeta,
+    state: state_pb2.ExecutionState,
+    stored: StateView,
+    config: LaneConfig,
+) -> Decision:
+    """The execution's lane re-run from its stored create, its commands caused by ``meta``."""
+    created = inputs_pb2.ExecutionCreated()
+    created.CopyFrom(created_from)
+    created.meta.CopyFrom(meta)
+    if state.kind == common_pb2.AGENT_EXECUTION:
+        return _session_lane(created, state, stored, config)
+    return _workflow_lane(created, state, config)
+
+
+def _decide_capacity_answer(
+    answer: CapacityAnswer,
+    current: state_pb2.ExecutionState | None,
+    stored: StateView,
+    config: LaneConfig,
+) -> Decision:
+    """The capacity ledger's answer to this execution's request (capacity_rules' docstring)."""
+    if current is None or not current.created or not current.HasField("created_event"):
+        return Decision(answer, None)  # nothing asked it (a state removed meanwhile): nothing to do
+    wait = current.capacity
+    key = answer.sandbox_key
+    at = answer.meta.occurred_at if answer.meta.HasField("occurred_at") else None
+    if not wait.waiting or wait.sandbox_key != key:
+        if isinstance(answer, capacity_pb2.CapacityAdmitted):
+            # It stopped waiting (its release crossed the admission in the log): the place the
+            # ledger gave it is handed back, so nothing counts for nobody.
+            state = _applied(current, answer.execution_id, answer)
+            release = capacity_rules.released(
+                answer.meta.event_id,
+                at,
+                key,
+                answer.execution_id,
+                "admitted after it stopped waiting",
+                config,
+            )
+            return Decision(answer, state, capacity=(release,))
+        return Decision(answer, None)
+    state = _applied(current, answer.execution_id, answer)
+    lane = _lane_again(current.created_event, answer.meta, state, stored, config)
+    ensure = next((c for c in lane.commands if isinstance(c, Ensure)), None)
+    wait = state.capacity
+    if isinstance(answer, capacity_pb2.CapacityQueued):
+        wait.reason = answer.reason
+        wait.position = answer.position
+        if ensure is None:
+            return Decision(answer, state)
+        return Decision(answer, state, outputs=(capacity_rules.queued_outcome(answer, ensure, config),))
+    wait.waiting = False
+    if isinstance(answer, capacity_pb2.CapacityAdmitted):
+        wait.admitted = True
+        if ensure is None:
+            # The lane no longer asks for it (its session was deleted meanwhile): let it go.
+            wait.released = True
+            release = capacity_rules.released(
+                answer.meta.event_id, at, key, answer.execution_id, "no longer needed when admitted", config
+            )
+            return Decision(answer, state, lane.commands, lane.logs, capacity=(release,))
+        return Decision(answer, state, lane.commands, lane.logs)
+    # Timed out: the lane's own provisioning failure, its reason the ledger's ("capacity: ...").
+    wait.reason = answer.reason
+    wait.released = True
+    if ensure is None:
+        return Decision(answer, state)
+    failed = CommandResult(ok=False, error=answer.reason)
+    out, logs = _complete_ensure(answer.meta.event_id, at, ensure, failed, state, config)
+    return Decision(answer, state, (), (*lane.logs, *logs), outputs=(out,))
+
+
 def _earlier(a: Timestamp, b: Timestamp) -> bool:
     return (a.seconds, a.nanos) < (b.seconds, b.nanos)
 
@@ -354,17 +433,19 @@ def complete(decision: Decision, results: Sequence[CommandResult], config: LaneC
     state = decision.state
     logs = decision.logs
     if not commands:
-        return Outcome(state, (), tuple(logs))
+        return Outcome(state, decision.outputs, tuple(logs), decision.capacity)
     assert state is not None  # commands always come with a state
-    outputs: list[OutcomeEvent] = []
+    outputs: list[OutcomeEvent] = list(decision.outputs)
+    freed: list[CapacityRecord] = list(decision.capacity)
     causation_id = decision.event.meta.event_id
     for command, result in zip(commands, results, strict=True):
-        out, more_logs = _fold(state, effect_id_of(causation_id, command), result, config)
+        out, more_logs, more_freed = _fold(state, effect_id_of(causation_id, command), result, config)
         if out is not None:
             outputs.append(out)
         if more_logs:
             logs = (*logs, *more_logs)
-    return Outcome(state, tuple(outputs), tuple(logs))
+        freed.extend(more_freed)
+    return Outcome(state, tuple(outputs), tuple(logs), tuple(freed))
 
 
 def complete_effect(
@@ -379,17 +460,17 @@ def complete_effect(
         return Outcome(None, (), ())
     new = state_pb2.ExecutionState()
     new.CopyFrom(state)
-    out, logs = _fold(new, effect_id, result, config)
-    return Outcome(new, (out,) if out is not None else (), logs)
+    out, logs, freed = _fold(new, effect_id, result, config)
+    return Outcome(new, (out,) if out is not None else (), logs, freed)
 
 
 def _fold(
     state: state_pb2.ExecutionState, effect_id: str, result: CommandResult, config: LaneConfig
-) -> tuple[OutcomeEvent | None, tuple[LogIntent, ...]]:
+) -> tuple[OutcomeEvent | None, tuple[LogIntent, ...], tuple[CapacityRecord, ...]]:
     pending = state.pending
     index = next((i for i, e in enumerate(pending) if e.effect_id == effect_id), -1)
     if index < 0:
-        return None, ()
+        return None, (), ()
     entry = pending[index]
     if config.stamp_fingerprint:
         state.config_fingerprint = config.fingerprint
@@ -397,14 +478,18 @@ def _fold(
     occurred_at = entry.occurred_at if entry.HasField("occurred_at") else None
     causation_id = entry.causation_id
     del pending[index]
+    freed: tuple[CapacityRecord, ...] = ()
+    if config.capacity:
+        freed = capacity_rules.released_by_fold(causation_id, occurred_at, command, result, state, config)
     if isinstance(command, Ensure):
         out, logs = _complete_ensure(causation_id, occurred_at, command, result, state, config, entry.recover)
         if state.deferred_status_error and not _session_ensure_pending(state):
             if not state.status_error:
                 state.status_error = state.deferred_status_error
             state.deferred_status_error = ""
-        return out, logs
-    return _complete_deprovision(causation_id, occurred_at, command, result, state, config)
+        return out, logs, freed
+    out, logs = _complete_deprovision(causation_id, occurred_at, command, result, state, config)
+    return out, logs, freed
 
 
 def sandbox_ref(

@@ -286,6 +286,7 @@ class CapacityClaim(_message.Message):
     REQUESTED_AT_FIELD_NUMBER: _builtins.int
     ADMITTED_AT_FIELD_NUMBER: _builtins.int
     WAITERS_FIELD_NUMBER: _builtins.int
+    TICK_FIELD_NUMBER: _builtins.int
     sandbox_key: _builtins.str
     org: _builtins.str
     scope: _common_pb2.SandboxScope.ValueType
@@ -301,6 +302,13 @@ class CapacityClaim(_message.Message):
     def waiters(self) -> _containers.RepeatedCompositeFieldContainer[Global___CapacityWaiter]:
         """The executions waiting for it (not admitted) or served by it (admitted)."""
 
+    @_builtins.property
+    def tick(self) -> Global___CapacityTick:
+        """Only on the reserved key "~tick" (never a sandbox name: those are DNS labels): the last
+        CapacityTick decided, so a restored ledger decides under the same caps and clock. Every other
+        field is empty there.
+        """
+
     def __init__(
         self,
         *,
@@ -312,10 +320,11 @@ class CapacityClaim(_message.Message):
         requested_at: _timestamp_pb2.Timestamp | None = ...,
         admitted_at: _timestamp_pb2.Timestamp | None = ...,
         waiters: _abc.Iterable[Global___CapacityWaiter] | None = ...,
+        tick: Global___CapacityTick | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["admitted_at", b"admitted_at", "requested_at", b"requested_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["admitted_at", b"admitted_at", "requested_at", b"requested_at", "tick", b"tick"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "admitted_at", b"admitted_at", "org", b"org", "requested_at", b"requested_at", "sandbox_key", b"sandbox_key", "scope", b"scope", "sequence", b"sequence", "waiters", b"waiters"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "admitted_at", b"admitted_at", "org", b"org", "requested_at", b"requested_at", "sandbox_key", b"sandbox_key", "scope", b"scope", "sequence", b"sequence", "tick", b"tick", "waiters", b"waiters"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -362,6 +362,7 @@ class LaneConfigApplied(_message.Message):
     APPLIED_AT_FIELD_NUMBER: _builtins.int
     MAX_CLOCK_AHEAD_S_FIELD_NUMBER: _builtins.int
     STATE_RETENTION_S_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
     fingerprint: _builtins.str
     """A stable hash of the settings below (consumers.lanes.commands.LaneConfig.fingerprint)."""
     enabled: _builtins.bool
@@ -382,6 +383,8 @@ class LaneConfigApplied(_message.Message):
     execution's state is kept (SANDBOX_LANES_MAX_CLOCK_AHEAD_S, SANDBOX_LANES_STATE_RETENTION_S).
     """
     state_retention_s: _builtins.float
+    capacity: _builtins.bool
+    """A cap is on (SANDBOX_LANES_MAX_SANDBOXES / _PER_ORG): creates go through the capacity ledger."""
     @_builtins.property
     def applied_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -402,10 +405,11 @@ class LaneConfigApplied(_message.Message):
         applied_at: _timestamp_pb2.Timestamp | None = ...,
         max_clock_ahead_s: _builtins.float | None = ...,
         state_retention_s: _builtins.float | None = ...,
+        capacity: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_clock_ahead_s", b"_max_clock_ahead_s", "_state_retention_s", b"_state_retention_s", "applied_at", b"applied_at", "max_clock_ahead_s", b"max_clock_ahead_s", "state_retention_s", b"state_retention_s"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_clock_ahead_s", b"_max_clock_ahead_s", "_state_retention_s", b"_state_retention_s", "agent_activity_routing", b"agent_activity_routing", "agent_default_execution_target", b"agent_default_execution_target", "agent_runner_queue", b"agent_runner_queue", "agent_stigmer_queue", b"agent_stigmer_queue", "applied_at", b"applied_at", "driver_name", b"driver_name", "enabled", b"enabled", "fingerprint", b"fingerprint", "max_clock_ahead_s", b"max_clock_ahead_s", "pod_id", b"pod_id", "state_retention_s", b"state_retention_s", "workflow_activity_routing", b"workflow_activity_routing", "workflow_default_execution_target", b"workflow_default_execution_target", "workflow_runner_queue", b"workflow_runner_queue", "workflow_stigmer_queue", b"workflow_stigmer_queue"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_clock_ahead_s", b"_max_clock_ahead_s", "_state_retention_s", b"_state_retention_s", "agent_activity_routing", b"agent_activity_routing", "agent_default_execution_target", b"agent_default_execution_target", "agent_runner_queue", b"agent_runner_queue", "agent_stigmer_queue", b"agent_stigmer_queue", "applied_at", b"applied_at", "capacity", b"capacity", "driver_name", b"driver_name", "enabled", b"enabled", "fingerprint", b"fingerprint", "max_clock_ahead_s", b"max_clock_ahead_s", "pod_id", b"pod_id", "state_retention_s", b"state_retention_s", "workflow_activity_routing", b"workflow_activity_routing", "workflow_default_execution_target", b"workflow_default_execution_target", "workflow_runner_queue", b"workflow_runner_queue", "workflow_stigmer_queue", b"workflow_stigmer_queue"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_clock_ahead_s: _TypeAlias = _typing.Literal["max_clock_ahead_s"]  # noqa: Y015
     _WhichOneofArgType__max_clock_ahead_s: _TypeAlias = _typing.Literal["_max_clock_ahead_s", b"_max_clock_ahead_s"]  # noqa: Y015
