@@ -144,6 +144,17 @@ class SandboxCollision(SandboxError):
         )
 
 
+class CapacityRefused(SandboxError):
+    """The engine is full: it refused the sandbox for quota or capacity, not for a fault of the request.
+
+    Its message is the engine's own words (for Kubernetes the ``exceeded quota: ...`` message). The
+    pod waits such a refusal out (retried with backoff, woken early as its sandboxes end) up to the
+    admission timeout instead of failing the execution at once. A driver raises it only once nothing
+    of the refused attempt holds capacity (the refused object is gone or never was), so a retry
+    starts from a fresh create.
+    """
+
+
 @runtime_checkable
 class SandboxProvisioner(Protocol):
     """What the pod needs from a driver. Every method must be safe under concurrency."""

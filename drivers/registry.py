@@ -33,6 +33,7 @@ _KUBE_OPTIONS = frozenset(
         "kubeconfig_context",
         "request_timeout",
         "max_pool_size",
+        "admission_wait_seconds",
         "storage_size",
         "storage_class",
         "cpu_request",

@@ -13,6 +13,11 @@ state's outbox) and the results of calls already running are discarded. The
 epoch is checked again right before the driver is called, after the gate (the
 pod's :class:`~consumers.runtime.stall_guard.StallGuard`) has let the call through.
 
+A call that waits inside the run callable (an ensure the engine refused as full, waiting for capacity)
+gives its slot up for the wait with :func:`slot_given_up` and takes it back, behind the gate, before it
+calls the driver again: a wait never holds a driver-concurrency slot. :func:`call_current` tells it
+whether its partition is still owned (a disowned call stops waiting: its result would be discarded).
+
 Work that is not an effect but acts on a sandbox (the reaper's removal) takes its turn in the same
 order with :meth:`EffectRunner.exclusive`: it runs after every call queued for that sandbox, and a call
 submitted while it waits or runs waits for it.
@@ -21,8 +26,11 @@ submitted while it waits or runs waits for it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextvars import ContextVar
 from typing import NamedTuple, TypeVar
 
 from consumers.lanes.commands import Command, CommandResult
@@ -66,6 +74,58 @@ class _Turn(NamedTuple):
 
 
 _Entry = _Call | _Turn
+
+
+class _SlotLease:
+    """The driver-concurrency slot a running call holds, which it may give up while it waits."""
+
+    def __init__(self, slots: asyncio.Semaphore, gate: Gate | None, current: Callable[[], bool]) -> None:
+        self._slots = slots
+        self._gate = gate
+        self.current = current
+        self.held = False
+
+    async def acquire(self) -> None:
+        await self._slots.acquire()
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._slots.release()
+
+    @contextlib.asynccontextmanager
+    async def given_up(self) -> AsyncIterator[None]:
+        self.release()
+        try:
+            yield
+        finally:
+            # Cancelled while taking it back: ``held`` stays False and nothing is released twice.
+            await self.acquire()
+            if self._gate is not None:
+                await self._gate()
+
+
+#: The lease of the call the current task is running (set by :meth:`EffectRunner._drive`).
+_LEASE: ContextVar[_SlotLease | None] = ContextVar("sandbox_lanes_effect_slot", default=None)
+
+
+@contextlib.asynccontextmanager
+async def slot_given_up() -> AsyncIterator[None]:
+    """For the block, the running call's driver-concurrency slot is free for other calls; it is taken
+    back (behind the gate) when the block ends. Outside an effect runner's call: nothing to give up."""
+    lease = _LEASE.get()
+    if lease is None:
+        yield
+        return
+    async with lease.given_up():
+        yield
+
+
+def call_current() -> bool:
+    """Does the running call's partition still belong to this pod (same epoch)? True outside one."""
+    lease = _LEASE.get()
+    return lease is None or lease.current()
 
 
 class EffectRunner:
@@ -187,7 +247,10 @@ class EffectRunner:
                 if isinstance(call, _Turn):
                     await self._take_turn(call)
                 elif self._current(call):
-                    async with self._slots:
+                    lease = _SlotLease(self._slots, self._gate, functools.partial(self._current, call))
+                    await lease.acquire()
+                    held = _LEASE.set(lease)
+                    try:
                         # Ownership is judged when the call is about to run, not when it queued:
                         # the partition may have moved while it waited for a slot or a stall's hold.
                         if self._gate is not None:
@@ -208,6 +271,9 @@ class EffectRunner:
                                 result, trace = await active.effect(
                                     decision, call.command, self.driver, self._run
                                 )
+                    finally:
+                        _LEASE.reset(held)
+                        lease.release()
                     finished = loop.time()
                     if current and self._current(call):
                         done = Completion(

@@ -148,6 +148,23 @@ class PodMetrics:
             ["driver"],
             registry=r,
         )
+        self.engine_quota_waits = Counter(
+            "sandbox_lanes_engine_quota_waits",
+            "Ensures the engine refused for quota (full) and the pod began to wait out, by driver",
+            ["driver"],
+            registry=r,
+        )
+        self.engine_quota_timeouts = Counter(
+            "sandbox_lanes_engine_quota_timeouts",
+            "Engine quota waits that reached the admission timeout (the execution failed, 'capacity: ...')",
+            ["driver"],
+            registry=r,
+        )
+        self.engine_quota_waiting = Gauge(
+            "sandbox_lanes_engine_quota_waiting",
+            "Ensures waiting for engine capacity now (refused for quota, retried with backoff)",
+            registry=r,
+        )
 
         # ``.labels(...)`` takes a lock and validates per call; the label sets here are bounded
         # vocabularies, so the children are looked up once and kept (the registry keeps them too).

@@ -86,6 +86,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from drivers.contract import (
     SCOPES,
+    CapacityRefused,
     DriverConfig,
     ManagedSandbox,
     SandboxCollision,
@@ -95,6 +96,7 @@ from drivers.contract import (
     SandboxScope,
     ScopedMethods,
 )
+from drivers.kubernetes.admission import pod_admitted, pod_refusal, quota_refusal
 from drivers.kubernetes.manifests import (
     PERSISTENT_SCOPES,
     deployment_manifest,
@@ -114,6 +116,7 @@ from drivers.naming import (
     sandbox_base_name,
 )
 from drivers.runner.env import scrub
+from resilience.backoff import Backoff
 
 # The config loaders carry no annotations; bind them as Any for strict typing.
 _load_kube_config: Any = k8s_config.load_kube_config
@@ -269,6 +272,7 @@ class KubernetesProvisioner(ScopedMethods):
         self._selector = managed_selector(config.installation)
         timeout = float(config.options.get("request_timeout") or 30)
         self._timeout = timeout
+        self.admission_wait_s = admission_wait_seconds(config.options)
 
     @property
     def driver_name(self) -> str:
@@ -321,7 +325,9 @@ class KubernetesProvisioner(ScopedMethods):
     def failure(self, action: str, exc: ApiException, env: SandboxEnvironment | None = None) -> SandboxError:
         """The API server's refusal as a SandboxError: its own message, secrets scrubbed."""
         message = self._redact(api_error_message(exc), env)
-        return SandboxError(f"{self.driver_name} {action} failed (HTTP {_status(exc)}): {message}")
+        text = f"{self.driver_name} {action} failed (HTTP {_status(exc)}): {message}"
+        # A ResourceQuota's refusal is the engine being full, not a fault: the pod waits it out.
+        return CapacityRefused(text) if quota_refusal(_status(exc), message) else SandboxError(text)
 
     # -- ownership
     def collision(self, found: Found, name: str, scope: SandboxScope, sandbox_id: str) -> SandboxCollision:
@@ -562,6 +568,7 @@ class KubernetesProvisioner(ScopedMethods):
             if _replicas(dep) >= 1:
                 return "running"  # fast path: nothing applied, the pod keeps the token it booted with
             if await self._scale_up(found, sandbox_id):
+                await self.await_admission(base, found.uid)
                 self._logger.info(
                     "Kubernetes sandbox scaled up",
                     extra={"scope": scope, "id": sandbox_id, "deployment": base},
@@ -590,16 +597,17 @@ class KubernetesProvisioner(ScopedMethods):
                 if claim is not None and not self.owns(claim, scope, sandbox_id):
                     await self._undo(secret_uid, "", base)
                     raise self.collision(claim, base, scope, sandbox_id)
-        if (
-            await self._create_deployment(deployment_manifest(self._config, scope, sandbox_id, env), env)
-            is None
-        ):
+        created_dep = await self._create_deployment(
+            deployment_manifest(self._config, scope, sandbox_id, env), env
+        )
+        if created_dep is None:
             dep = await self.read_deployment(base)
             if dep is not None and not self.owns(self._found_deployment(dep, base), scope, sandbox_id):
                 # Another sandbox's create won the race: it keeps the name; what this one made goes.
                 await self._undo(secret_uid, claim_uid, base)
                 raise self.collision(self._found_deployment(dep, base), base, scope, sandbox_id)
             return False
+        await self.await_admission(base, str(getattr(created_dep.metadata, "uid", "") or ""), env)
         self._logger.info(
             "Kubernetes sandbox provisioned",
             extra={
@@ -610,6 +618,42 @@ class KubernetesProvisioner(ScopedMethods):
             },
         )
         return True
+
+    async def await_admission(self, base: str, uid: str, env: SandboxEnvironment | None = None) -> None:
+        """Wait (up to ``admission_wait_s``) until the Deployment's ReplicaSet has made its pod, or
+        raise :class:`CapacityRefused` when a ``ResourceQuota`` refused that pod (``ReplicaFailure``).
+
+        Not a readiness wait: a pod that exists (pending, pulling, running) is admitted. A refused
+        Deployment is deleted first (by uid), so it holds nothing and the next ensure is a fresh
+        create: the ReplicaSet's own retries back off exponentially (to minutes), a new one tries at
+        once. Neither seen within the wait (a slow or absent controller): the ensure goes on as it
+        always did. A Deployment gone or replaced meanwhile is not this ensure's to judge.
+        """
+        if self.admission_wait_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.admission_wait_s
+        polls = Backoff(first_s=ADMISSION_POLL_FIRST_S, cap_s=ADMISSION_POLL_CAP_S)
+        where = f"{self._ns}/{base}"
+        while True:
+            dep = await self.read_deployment(base)
+            if dep is None or (uid and str(getattr(dep.metadata, "uid", "") or "") != uid):
+                return
+            if pod_admitted(dep):
+                return
+            refused = pod_refusal(dep)
+            if refused is not None:
+                await self._delete("Deployment", base, uid)
+                message = self._redact(refused, env)
+                raise CapacityRefused(f"{self.driver_name} Deployment {where} was refused its pod: {message}")
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                self._logger.debug(
+                    "Kubernetes sandbox admission not seen in time; going on",
+                    extra={"deployment": base, "seconds": self.admission_wait_s},
+                )
+                return
+            await asyncio.sleep(min(polls.failed(), remaining))
 
     async def _undo(self, secret_uid: str, claim_uid: str, base: str) -> None:
         """Delete the Secret and claim this ensure wrote (by uid: only those very objects)."""
@@ -726,6 +770,25 @@ def load_client_configuration(options: Mapping[str, str]) -> Any:
 
 
 DEFAULT_MAX_POOL_SIZE: Final = 32
+#: How long an ensure waits for the engine to admit or refuse the sandbox's pod (seconds).
+DEFAULT_ADMISSION_WAIT_S: Final = 10.0
+#: The admission wait reads the Deployment again after 50 ms, backing off to every 500 ms.
+ADMISSION_POLL_FIRST_S: Final = 0.05
+ADMISSION_POLL_CAP_S: Final = 0.5
+
+
+def admission_wait_seconds(options: Mapping[str, str]) -> float:
+    """``options["admission_wait_seconds"]``: 0 turns the admission wait off (no refusal of a pod seen)."""
+    raw = options.get("admission_wait_seconds") or str(DEFAULT_ADMISSION_WAIT_S)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(
+            f"sandbox provisioner '{DRIVER_NAME}': admission_wait_seconds must be a number >= 0, got {raw!r}"
+        )
+    return value
 
 
 def max_pool_size(options: Mapping[str, str]) -> int:

@@ -69,6 +69,8 @@ def _config(namespace: str, kubeconfig: Path, **overrides: Any) -> DriverConfig:
         "options": {"kubeconfig": str(kubeconfig)},
     }
     base.update(overrides)
+    # No controller runs beside this apiserver: no pod is ever made, so there is no admission to wait for.
+    base["options"] = {"admission_wait_seconds": "0", **base["options"]}
     return DriverConfig(**base)
 
 
