@@ -38,20 +38,24 @@ from typing import Final, NamedTuple, TypeAlias
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from events.codec import SCHEMA_VERSION, derived_event_id
+from events.codec import SCHEMA_VERSION, CapacityAnswer, CapacityRecord, derived_event_id
 from events.sandbox_lanes.v1 import capacity_pb2, common_pb2
 
 #: The changelog key of the caps and clock in force (the last tick). Not a sandbox name.
 TICK_KEY: Final = "~tick"
 
-CapacityRecord: TypeAlias = (
-    capacity_pb2.CapacityRequested | capacity_pb2.CapacityReleased | capacity_pb2.CapacityTick
-)
-CapacityAnswer: TypeAlias = (
-    capacity_pb2.CapacityQueued | capacity_pb2.CapacityAdmitted | capacity_pb2.CapacityTimedOut
-)
-
 _NS: Final = 1_000_000_000
+
+__all__ = [
+    "TICK_KEY",
+    "Answer",
+    "CapacityAnswer",
+    "CapacityRecord",
+    "Caps",
+    "Ledger",
+    "LedgerDecision",
+    "decide",
+]
 
 
 @dataclass(frozen=True)
