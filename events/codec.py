@@ -191,7 +191,15 @@ def record_key(message: Message) -> str:
         if message.kind == common_pb2.AGENT_EXECUTION and message.session_id:
             return message.session_id
         return message.execution_id
+    if isinstance(message, capacity_pb2.CapacityRequested | capacity_pb2.CapacityReleased):
+        return message.sandbox_key  # the capacity log: keyed by what is counted
+    if isinstance(message, capacity_pb2.CapacityTick):
+        return CAPACITY_TICK_KEY
     return state_key(message)
+
+
+#: The capacity log's key of the ledger owner's ticks.
+CAPACITY_TICK_KEY: Final = "tick"
 
 
 _CE_SPECVERSION_BYTES: Final = CE_SPECVERSION.encode()

@@ -371,7 +371,7 @@ class Ledger:
             if w.execution_id == record.execution_id:
                 self._remove_waiter(claim, i)
                 touched[key] = None
-                if not claim.admitted and not claim.waiters:
+                if not claim.waiters:  # nobody waits for it or is served by it: it counts for no one
                     self._remove(key)
                 return
 

@@ -88,6 +88,9 @@ def pod_config(settings: Settings) -> PodConfig:
         dead_letter_attempts=settings.dead_letter_attempts,
         max_clock_ahead_s=settings.max_clock_ahead_s,
         state_retention_s=settings.state_retention_s,
+        max_sandboxes=settings.max_sandboxes,
+        max_sandboxes_per_org=settings.max_sandboxes_per_org,
+        admission_timeout_s=settings.admission_timeout_s,
         create_topics=settings.create_topics,
         security=settings.kafka_security,
     )
@@ -121,6 +124,7 @@ def compose(
         workflow=settings.workflow,
         driver_name=provisioner.driver_name if provisioner is not None else "",
         source=f"sandbox-lanes/{settings.pod_id}",
+        capacity=settings.topics.capacity_on,
     )
     # The disabled lane emits no commands, so the base runner (which refuses) is never called.
     runner: CommandRunner = (

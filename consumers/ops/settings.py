@@ -166,6 +166,25 @@ SETTINGS: tuple[Setting, ...] = (
         "every state for ever (see [Retention](guarantees.md#retention))",
     ),
     Setting(
+        "SANDBOX_LANES_MAX_SANDBOXES",
+        "0",
+        "live sandboxes this installation may hold at once (all pods, all partitions); over it a create "
+        "waits its turn, admitted fairly across organisations as sandboxes end; `0`: no cap, upstream's "
+        "behaviour (see [Capacity](guarantees.md#capacity))",
+    ),
+    Setting(
+        "SANDBOX_LANES_MAX_SANDBOXES_PER_ORG",
+        "0",
+        "live sandboxes one organisation may hold at once; `0`: no cap "
+        "(see [Capacity](guarantees.md#capacity))",
+    ),
+    Setting(
+        "SANDBOX_LANES_ADMISSION_TIMEOUT_S",
+        "600",
+        "longest a create waits for capacity (a cap, or the engine's quota) before it ends as the lane's "
+        "provisioning failure, its reason starting `capacity:`",
+    ),
+    Setting(
         "SANDBOX_LANES_STATE_STORE",
         "memory",
         "where a pod keeps its partitions' states: `memory` (restored from the state topic's beginning "
@@ -474,7 +493,7 @@ def _bootstrap(env: Mapping[str, str]) -> str:
     return value
 
 
-def _topics(env: Mapping[str, str]) -> Topics:
+def _topics(env: Mapping[str, str], *, capacity_on: bool = False) -> Topics:
     names = {
         "SANDBOX_LANES_TOPIC_EXECUTION_CREATED": "execution_created",
         "SANDBOX_LANES_TOPIC_PHASE_CHANGED": "phase_changed",
@@ -497,7 +516,7 @@ def _topics(env: Mapping[str, str]) -> Topics:
                 f"{var}={topic!r} is invalid: the same topic as {clash}; every topic must differ"
             )
         values[var] = topic
-    return Topics(**{names[var]: topic for var, topic in values.items()})
+    return Topics(**{names[var]: topic for var, topic in values.items()}, capacity_on=capacity_on)
 
 
 def _registry_url(env: Mapping[str, str]) -> str:
@@ -712,6 +731,9 @@ class Settings:
     dead_letter_attempts: int
     max_clock_ahead_s: float
     state_retention_s: float
+    max_sandboxes: int
+    max_sandboxes_per_org: int
+    admission_timeout_s: float
     #: The state store (``memory`` or ``rocksdb``) and the ``rocksdb`` store's directory.
     state_store: str
     state_dir: str
@@ -857,6 +879,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         withheld_env=RUNNER_WITHHELD_ENV,
         installation=_installation(env),
     )
+    max_sandboxes = _int(env, "SANDBOX_LANES_MAX_SANDBOXES", 0)
+    max_per_org = _int(env, "SANDBOX_LANES_MAX_SANDBOXES_PER_ORG", 0)
     return Settings(
         bootstrap=_bootstrap(env),
         group_id=_get(env, "SANDBOX_LANES_GROUP_ID"),
@@ -867,7 +891,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         partitions=_int(env, "SANDBOX_LANES_PARTITIONS"),
         replication=_replication(env),
         create_topics=_bool(env, "SANDBOX_LANES_CREATE_TOPICS"),
-        topics=_topics(env),
+        topics=_topics(env, capacity_on=max_sandboxes > 0 or max_per_org > 0),
         session_timeout_ms=_int(env, "SANDBOX_LANES_SESSION_TIMEOUT_MS", 1000),
         shutdown_timeout_s=_float(env, "SANDBOX_LANES_SHUTDOWN_TIMEOUT_S"),
         driver_concurrency=_int(env, "SANDBOX_LANES_DRIVER_CONCURRENCY", 1),
@@ -876,6 +900,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         dead_letter_attempts=_int(env, "SANDBOX_LANES_DEAD_LETTER_ATTEMPTS", 1),
         max_clock_ahead_s=_float(env, "SANDBOX_LANES_MAX_CLOCK_AHEAD_S"),
         state_retention_s=_int(env, "SANDBOX_LANES_STATE_RETENTION_S", 0),
+        max_sandboxes=max_sandboxes,
+        max_sandboxes_per_org=max_per_org,
+        admission_timeout_s=_float(env, "SANDBOX_LANES_ADMISSION_TIMEOUT_S", allow_zero=True),
         state_store=_choice(env, "SANDBOX_LANES_STATE_STORE", _STATE_STORES),
         state_dir=_get(env, "SANDBOX_LANES_STATE_DIR"),
         ensure_timeout_s=_float(env, "SANDBOX_LANES_ENSURE_TIMEOUT_S"),

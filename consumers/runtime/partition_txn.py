@@ -38,8 +38,18 @@ from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.state.interface import StateStoreFault
 from consumers.runtime.state.store import StateStore
 from events import schema_registry
-from events.codec import TYPE_PREFIX, DecodeError, InputEvent, decode_input, encode, state_key, type_name
-from events.sandbox_lanes.v1 import inputs_pb2, state_pb2
+from events.codec import (
+    TYPE_PREFIX,
+    CapacityRecord,
+    DecidedEvent,
+    DecodeError,
+    decode_answer,
+    decode_input,
+    encode,
+    state_key,
+    type_name,
+)
+from events.sandbox_lanes.v1 import capacity_pb2, inputs_pb2, state_pb2
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
@@ -59,7 +69,7 @@ def _decode_class(reason: str) -> str:
     return "undecodable"
 
 
-def _ahead_of_now(event: InputEvent) -> float | None:
+def _ahead_of_now(event: DecidedEvent) -> float | None:
     """Seconds the input's ``occurred_at`` is ahead of the pod's clock now (None: not stamped)."""
     if not event.meta.HasField("occurred_at"):
         return None
@@ -160,6 +170,7 @@ class PartitionTransaction:
             self.counted[type_name(output)] += 1
         if active is not None:
             self.traced.append(active.parent_of(completion.trace))
+        await self._to_ledger(outcome.capacity)
         await self.sink.send(self.config.topics.state, encode(outcome.state), partition=self.partition)
         self.overlay[key] = outcome.state
         self.folded.append((completion, outcome))
@@ -222,19 +233,24 @@ class PartitionTransaction:
             )
             return False
         await schema_registry.ensure(rec.value)  # a framed input's schema id, looked up once (cached)
+        answer = rec.topic == self.config.topics.admissions  # the capacity ledger's, the pod's own
+        event: DecidedEvent
         try:
-            event = decode_input(
-                rec.key,
-                rec.value,
-                rec.headers,
-                record_time_ms=rec.timestamp,
-                max_ahead_s=self.config.max_clock_ahead_s,
-                topic_carries=self.config.topics.carries(rec.topic),
-            )
+            if answer:
+                event = decode_answer(rec.key, rec.value, rec.headers)
+            else:
+                event = decode_input(
+                    rec.key,
+                    rec.value,
+                    rec.headers,
+                    record_time_ms=rec.timestamp,
+                    max_ahead_s=self.config.max_clock_ahead_s,
+                    topic_carries=self.config.topics.carries(rec.topic),
+                )
         except DecodeError as exc:
             await self._dead_letter(rec, exc.reason, _decode_class(exc.reason), error=exc)
             return False
-        ahead_s = _ahead_of_now(event)
+        ahead_s = None if answer else _ahead_of_now(event)
         if ahead_s is not None and ahead_s > self.config.max_clock_ahead_s > 0:
             # Its producer's clock runs ahead: stamped and timestamped in the future alike, it
             # passes the check against the record's timestamp, and applied it would make every
@@ -312,9 +328,23 @@ class PartitionTransaction:
             return False
         await self.sink.send(self.config.topics.state, record, partition=rec.partition)
         self.overlay[key] = decision.state
+        for output in decision.outputs:  # decided without a driver call (a capacity wait, its time-out)
+            await self.sink.send(
+                self.config.topics.outcomes, encode(output, source=self.processor.config.source)
+            )
+            self.counted[type_name(output)] += 1
+        await self._to_ledger(decision.capacity)
         for effect_id, command in new_effects(decision):
             self.decided.append((key, effect_id, command))
         return False
+
+    async def _to_ledger(self, records: tuple[CapacityRecord, ...]) -> None:
+        """Requests and releases to the capacity log, in this transaction: a request names this
+        partition, where the ledger's answer comes back."""
+        for record in records:
+            if isinstance(record, capacity_pb2.CapacityRequested):
+                record.partition = self.partition
+            await self.sink.send(self.config.topics.capacity, encode(record), partition=0)
 
     async def expire(self, keys: list[str]) -> None:
         """Tombstone the states of ``keys`` (past retention): compaction then drops them."""

@@ -26,6 +26,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import murmur2
 
 from consumers.lanes.commands import Command, CommandResult
+from consumers.runtime.capacity_ledger import CapacityLedgerTask
+from consumers.runtime.capacity_metrics import CapacityMetrics
 from consumers.runtime.commit_book import CommitBook
 from consumers.runtime.config_log import record_lane_config_soon
 from consumers.runtime.create_order import CreateOrderGate
@@ -239,7 +241,7 @@ class Pod:
         consumer = self.consumer
         assert consumer is not None
         consumer.subscribe(
-            list(self.config.topics.inputs),
+            list(self.config.topics.consumed),
             listener=RebalanceHooks(self.ownership.release, self.ownership.assigned),
         )
 
@@ -273,6 +275,9 @@ class Pod:
         self._background.append(loop.create_task(self.stall_guard.watch(self._stop)))
         self._background.append(loop.create_task(self._checkpoints()))
         self._background.append(loop.create_task(self._watch_cluster()))
+        if self.config.topics.capacity_on:  # the capacity ledger: owned by one pod of the group
+            ledger = CapacityLedgerTask(self.config, CapacityMetrics(self.metrics.registry), self._stop)
+            self._background.append(loop.create_task(ledger.run()))
         try:
             await self._bounded_loop()
         finally:

@@ -40,6 +40,10 @@ class PodConfig:
     max_clock_ahead_s: float = 300.0
     #: A finished execution's state is tombstoned this long after its last input (0 = never).
     state_retention_s: float = 604_800.0
+    #: The caps (0: none) and the longest wait for capacity (docs/guarantees.md "Capacity").
+    max_sandboxes: int = 0
+    max_sandboxes_per_org: int = 0
+    admission_timeout_s: float = 600.0
     #: Driver calls running at once across executions (calls for one sandbox run one at a time).
     driver_concurrency: int = 32
     #: TLS / SASL of every Kafka client the pod opens.

@@ -24,7 +24,7 @@ from consumers.lanes.commands import (
 from consumers.lanes.rules import complete, complete_effect, decide
 from consumers.runtime.executor import CommandRunner
 from consumers.runtime.metrics import OUTCOME_WORDS, lane_of_command
-from events.codec import InputEvent, state_key, type_name
+from events.codec import DecidedEvent, InputEvent, state_key, type_name
 from events.sandbox_lanes.v1 import state_pb2
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -49,7 +49,7 @@ class LaneProcessor:
     runner: CommandRunner
     logger: logging.Logger
 
-    def decide(self, event: InputEvent, stored: StateView) -> Decision:
+    def decide(self, event: DecidedEvent, stored: StateView) -> Decision:
         """The decision alone (its commands become effects); its own logs are emitted."""
         decision = decide(event, stored, self.config)
         if decision.logs and decision.reject is None and not decision.duplicate:

@@ -244,11 +244,21 @@ def test_a_session_sandbox_counts_once_for_several_executions() -> None:
     assert _admitted(log.request("k2", "e3", "A")) == ["e3"]  # room for one more sandbox
     [q] = _queued(log.request("k3", "e4", "A"))
     assert q.reason == "capacity: installation cap 2 reached"
-    # One execution leaving a session's sandbox does not free it...
+    # One execution leaving a session's sandbox does not free it while another is served by it...
     assert log.release("session-1", "e1").answers == []
-    assert log.release("session-1", "e2").answers == []
-    # ...its teardown does.
-    assert _admitted(log.release("session-1")) == ["e4"]
+    assert log.ledger.held == 2
+    # ...its teardown does, or the last execution it serves leaving (it counts for no one then: the
+    # runtime lets an execution go only when its ensure failed or it was admitted after it stopped
+    # waiting, so nobody runs in it).
+    assert _admitted(log.release("session-1", "e2")) == ["e4"]
+
+
+def test_a_sandbox_torn_down_frees_its_place_whoever_it_served() -> None:
+    log = Log(Caps(max_sandboxes=1))
+    assert _admitted(log.request("session-1", "e1", "A")) == ["e1"]
+    assert _admitted(log.request("session-1", "e2", "A")) == ["e2"]
+    log.request("k2", "e3", "A")
+    assert _admitted(log.release("session-1")) == ["e3"]
 
 
 def test_joining_a_waiting_sandbox_waits_with_it_and_is_admitted_with_it() -> None:
@@ -471,7 +481,7 @@ class _Model:
                 del self.claims[record.sandbox_key]
             elif claim is not None and record.execution_id in claim.waiters:
                 del claim.waiters[record.execution_id]
-                if not claim.admitted and not claim.waiters:
+                if not claim.waiters:
                     del self.claims[record.sandbox_key]
         else:
             self.caps = Caps.of_tick(record)

@@ -41,10 +41,33 @@ class Topics:
     outcomes: str = "sandbox-outcomes"
     state: str = "sandbox-lanes-state"
     dead_letter: str = "sandbox-lanes-dlq"
+    #: A cap is on: the capacity ledger's three topics exist and the pod reads its admissions.
+    capacity_on: bool = False
 
     @property
     def inputs(self) -> tuple[str, ...]:
+        """Upstream's input topics (the producers' own)."""
         return (self.execution_created, self.phase_changed, self.session_deleted)
+
+    @property
+    def consumed(self) -> tuple[str, ...]:
+        """What the pod's loop reads: the inputs, and the capacity ledger's answers when a cap is on."""
+        return (*self.inputs, self.admissions) if self.capacity_on else self.inputs
+
+    @property
+    def capacity(self) -> str:
+        """The capacity log (one partition): requests and releases, the ledger owner's ticks."""
+        return self.state + "-capacity"
+
+    @property
+    def capacity_ledger(self) -> str:
+        """The ledger's changelog (one partition, compacted): a claim per sandbox counted or awaited."""
+        return self.state + "-capacity-ledger"
+
+    @property
+    def admissions(self) -> str:
+        """The ledger's answers, to the execution's partition: co-partitioned with the inputs."""
+        return self.state + "-admissions"
 
     @property
     def lane_config(self) -> str:
@@ -62,10 +85,11 @@ class Topics:
     @property
     def co_partitioned(self) -> tuple[str, ...]:
         """Inputs and state: partition N of the state holds the keys of partition N of each input."""
-        return (*self.inputs, self.state)
+        return (*self.consumed, self.state)
 
     def all(self) -> tuple[str, ...]:
-        return (*self.co_partitioned, self.outcomes, self.dead_letter)
+        ledger = (self.capacity, self.capacity_ledger) if self.capacity_on else ()
+        return (*self.co_partitioned, self.outcomes, self.dead_letter, *ledger)
 
 
 #: The broker's default (``default.replication.factor``), as ``kafka-topics.sh`` without the flag.
@@ -92,7 +116,7 @@ DEAD_LETTER_TOPIC_CONFIG: dict[str, str] = {
     "retention.ms": str(DEAD_LETTER_RETENTION_MS),
 }
 
-Role = Literal["input", "state", "output", "dead-letter", "config"]
+Role = Literal["input", "state", "output", "dead-letter", "config", "capacity"]
 
 
 def min_insync_replicas(replication: int) -> int | None:
@@ -112,6 +136,8 @@ class TopicSpec:
     #: ``BROKER_DEFAULT`` (-1): the broker's ``default.replication.factor``.
     replication: int
     configs: Mapping[str, str] = field(default_factory=dict)
+    #: One partition whatever the inputs have (read whole, or one order for the installation).
+    single: bool = False
 
     @property
     def owned(self) -> bool:
@@ -130,8 +156,23 @@ def plan_topics(topics: Topics, partitions: int, replication: int = BROKER_DEFAU
         (topics.dead_letter, "dead-letter", DEAD_LETTER_TOPIC_CONFIG),
         (topics.lane_config, "config", {"cleanup.policy": "compact"}),
     ]
+    single = {topics.lane_config}
+    if topics.capacity_on:
+        roles += [
+            (topics.admissions, "capacity", {}),
+            (topics.capacity, "capacity", {}),
+            (topics.capacity_ledger, "capacity", STATE_TOPIC_CONFIG),
+        ]
+        single |= {topics.capacity, topics.capacity_ledger}
     return tuple(
-        TopicSpec(name, role, 1 if role == "config" else partitions, replication, {**configs, **common})
+        TopicSpec(
+            name,
+            role,
+            1 if name in single else partitions,
+            replication,
+            {**configs, **common},
+            name in single,
+        )
         for name, role, configs in roles
     )
 
@@ -175,9 +216,10 @@ async def create_missing(
     missing = [s for s in specs if s.name not in existing and s.name not in hidden]
     if not missing:
         return []
-    # The configuration records' topic keeps its one partition (it is read whole, keyed by fingerprint).
+    # The configuration records' topic keeps its one partition (it is read whole, keyed by
+    # fingerprint), and so do the capacity log and ledger (one order for the installation).
     response: Any = await admin.create_topics(
-        [_new_topic(s, None if s.role == "config" else partitions) for s in missing]
+        [_new_topic(s, None if s.single else partitions) for s in missing]
     )
     errors = []
     for topic, code, message in response.topic_errors:
