@@ -6,7 +6,9 @@ successful teardown of this pod wakes the waiter that has waited longest (first 
 woken); one admitted after a wait wakes the next (capacity was there a moment ago). One wake per
 freed sandbox, not all of them: a thousand waiters woken by each teardown would each ask the engine
 again for the one place that freed. A wake that comes while a waiter is calling the engine is kept
-for its next sleep, which then ends at once.
+for its next sleep, which then ends at once. A woken waiter starts its backoff over: an engine may
+show the freed room only seconds after the teardown (a Kubernetes pod counts against its quota until
+it has terminated), so it asks again soon and then less and less often.
 """
 
 from __future__ import annotations

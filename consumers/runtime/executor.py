@@ -145,7 +145,9 @@ class DriverExecutor(CommandRunner):
                     ended = "timed out"
                     return CommandResult(ok=False, error=capacity_error(refused))
                 async with slot_given_up():
-                    await waiter.sleep(min(backoff.failed(), remaining))
+                    woken = await waiter.sleep(min(backoff.failed(), remaining))
+                if woken:  # a sandbox ended: room is freeing now (an engine may take seconds to show it)
+                    backoff.succeeded()
                 if not call_current():
                     return CommandResult(ok=False, error=capacity_error(refused))  # discarded by the runner
                 waiter.attempts += 1

@@ -53,6 +53,7 @@ import urllib3
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 
+from drivers.agent_sandbox.admission import sandbox_admission
 from drivers.agent_sandbox.idle import (
     IdleConfig,
     SandboxView,
@@ -74,6 +75,7 @@ from drivers.agent_sandbox.warm import CLAIMS, EXT_GROUP, EXT_VERSION, WARM_SCOP
 from drivers.agent_sandbox.warm_pool import ASSIGNMENT_MODES, DEFAULT_ADOPT_TIMEOUT_S, WarmPool
 from drivers.contract import (
     SCOPES,
+    CapacityRefused,
     DriverConfig,
     ManagedSandbox,
     SandboxCollision,
@@ -84,6 +86,8 @@ from drivers.contract import (
     ScopedMethods,
 )
 from drivers.kubernetes.driver import (
+    ADMISSION_POLL_CAP_S,
+    ADMISSION_POLL_FIRST_S,
     FIELD_MANAGER,
     LOG_LEFT_ALONE,
     WRITE_ATTEMPTS,
@@ -96,6 +100,7 @@ from drivers.kubernetes.driver import (
 from drivers.kubernetes.manifests import secret_name
 from drivers.locks import KeyedLocks
 from drivers.naming import LABEL_INSTALLATION, LABEL_SANDBOX_ID, LABEL_SCOPE, sandbox_base_name
+from resilience.backoff import Backoff
 
 DRIVER_NAME: Final = "agent-sandbox"
 DELETE_POLL_SECONDS: Final = 2.0
@@ -343,7 +348,36 @@ class AgentSandboxProvisioner(KubernetesProvisioner, ScopedMethods):
             env,
         ):
             return None  # replaced, relabelled or gone since it was read: judged again
+        if arm != "running":
+            await self.await_pod_admission(sandbox, env)
         return arm
+
+    async def await_pod_admission(self, sandbox: Found, env: SandboxEnvironment) -> None:
+        """Wait (up to ``admission_wait_s``) until the controller has made the woken Sandbox's pod, or
+        raise :class:`CapacityRefused` when a ``ResourceQuota`` refused it (``drivers.agent_sandbox.
+        admission``); the refused Sandbox is deleted first (by uid), so it holds nothing and the next
+        ensure creates it afresh. Neither seen in time: the ensure goes on as it always did."""
+        if self.admission_wait_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.admission_wait_s
+        polls = Backoff(first_s=ADMISSION_POLL_FIRST_S, cap_s=ADMISSION_POLL_CAP_S)
+        while True:
+            obj = await self.read_sandbox(sandbox.name)
+            if obj is None or str((obj.get("metadata") or {}).get("uid", "")) != sandbox.uid:
+                return  # gone or replaced meanwhile: not this ensure's to judge
+            verdict, message = sandbox_admission(obj)
+            if verdict == "admitted":
+                return
+            if verdict == "refused":
+                await self._delete_custom(GROUP, VERSION, PLURAL, sandbox)
+                raise CapacityRefused(
+                    f"{DRIVER_NAME} Sandbox {sandbox.where} was refused its pod: {self._redact(message, env)}"
+                )
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            await asyncio.sleep(min(polls.failed(), remaining))
 
     async def _ensure_claimed(
         self, scope: SandboxScope, sandbox_id: str, env: SandboxEnvironment

@@ -213,3 +213,19 @@ async def test_a_zero_admission_timeout_fails_at_the_first_refusal() -> None:
     run = executor(engine, admission_timeout_s=0.0)
     result = await run.run(ensure("w-1"))
     assert not result.ok and result.error.startswith("capacity: ") and engine.calls["w-1"] == 1
+
+
+async def test_a_woken_waiter_starts_its_backoff_over() -> None:
+    Recorded.delays = []
+    engine = FullEngine(refusals=2, full={"w-1"})
+    run = executor(engine, quota_first_delay_s=LONG / 4, quota_max_delay_s=LONG)
+    run.quota_backoff = Recorded
+    waiting = asyncio.create_task(run.run(ensure("w-1")))
+    await until("the first refusal", lambda: engine.calls.get("w-1") == 1)
+    assert (await run.run(teardown("w-0"))).ok
+    await until("the second refusal", lambda: engine.calls.get("w-1") == 2 and len(Recorded.delays) == 2)
+    assert (await run.run(teardown("w-9"))).ok
+    async with asyncio.timeout(5):
+        assert (await waiting).ok
+    # Not doubled after the wake: the engine may show the freed room only seconds after a teardown.
+    assert Recorded.delays == [LONG / 4, LONG / 4]
