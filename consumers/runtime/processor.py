@@ -24,7 +24,7 @@ from consumers.lanes.commands import (
 from consumers.lanes.rules import complete, complete_effect, decide
 from consumers.runtime.executor import CommandRunner
 from consumers.runtime.metrics import OUTCOME_WORDS, lane_of_command
-from events.codec import DecidedEvent, InputEvent, state_key, type_name
+from events.codec import DecidedEvent, state_key, type_name
 from events.sandbox_lanes.v1 import state_pb2
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -86,7 +86,7 @@ class LaneProcessor:
             )
         return outcome
 
-    async def process(self, event: InputEvent, stored: StateView) -> Processed:
+    async def process(self, event: DecidedEvent, stored: StateView) -> Processed:
         decision = decide(event, stored, self.config)
         if decision.reject is not None or decision.duplicate or decision.state is None:
             return Processed(decision, None)
@@ -98,7 +98,7 @@ class LaneProcessor:
             emit_logs(logger, outcome.logs, context)
         if not logger.isEnabledFor(logging.INFO):  # the per-decision line below would be dropped
             return Processed(decision, outcome)
-        for command, output in zip(decision.commands, outcome.outputs, strict=False):
+        for command, output in zip(decision.commands, outcome.outputs[len(decision.outputs) :], strict=False):
             kind = type_name(output).rsplit(".", 1)[-1]
             self.logger.info(
                 "sandbox decision",

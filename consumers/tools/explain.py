@@ -54,16 +54,17 @@ from consumers.tools.replay.derive import (
 from events import schema_registry
 from events.codec import (
     OUTCOME_TYPES,
+    DecidedEvent,
     DecodeError,
-    InputEvent,
     decode,
+    decode_answer,
     decode_input,
     decode_state,
     header,
     is_lane_config_key,
     state_key,
 )
-from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2, state_pb2
+from events.sandbox_lanes.v1 import capacity_pb2, common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 
 logger = logging.getLogger("sandbox_lanes.explain")
 
@@ -83,10 +84,12 @@ def _phase(number: int) -> str:
     return common_pb2.ExecutionPhase.Name(number)  # type: ignore[arg-type]
 
 
-def _concerns(event: InputEvent, target: str) -> bool:
+def _concerns(event: DecidedEvent, target: str) -> bool:
     if isinstance(event, inputs_pb2.SessionDeleted):
         return event.session_id == target
-    return target in (event.execution_id, event.session_id)
+    if isinstance(event, inputs_pb2.ExecutionCreated | inputs_pb2.PhaseChanged):
+        return target in (event.execution_id, event.session_id)
+    return event.execution_id == target  # the capacity ledger's answer to it
 
 
 def _message_dict(message: Message) -> dict[str, Any]:
@@ -125,7 +128,7 @@ def state_summary(state: state_pb2.ExecutionState | None) -> dict[str, Any]:
 
 
 def rule_of(
-    event: InputEvent, decision: Decision, before: state_pb2.ExecutionState | None, config: LaneConfig
+    event: DecidedEvent, decision: Decision, before: state_pb2.ExecutionState | None, config: LaneConfig
 ) -> tuple[str, str]:
     """The rule that fired (a row of docs/rules.md) and why, for one decision."""
     if decision.duplicate:
@@ -137,6 +140,14 @@ def rule_of(
         return "dead letter", f"the pod cannot decide it: {decision.reject}"
     commands = decision.commands
     messages = {log.message for log in decision.logs}
+    if isinstance(event, capacity_pb2.CapacityQueued):
+        return "capacity: waits", f"{event.reason}; its place among the creates waiting: {event.position}"
+    if isinstance(event, capacity_pb2.CapacityAdmitted):
+        if not decision.commands:
+            return "capacity: admitted", "admitted after it stopped waiting: its place handed back"
+        return "capacity: admitted", f"admitted after {event.waited_s:.1f} s: the lane runs from its create"
+    if isinstance(event, capacity_pb2.CapacityTimedOut):
+        return "capacity: timed out", f"{event.reason}: the lane's provisioning failure"
     if isinstance(event, inputs_pb2.SessionDeleted):
         return (
             "session delete",
@@ -274,6 +285,8 @@ def _outcome_dict(rec: RecordedOutcome, input_ms: int | None) -> dict[str, Any]:
         out["result"] = f"teardown failed: {msg.reason}"
     elif isinstance(msg, outcomes_pb2.SandboxReaped):
         out["result"] = f"reaped: {msg.reason}"
+    elif isinstance(msg, outcomes_pb2.SandboxQueued):
+        out["result"] = f"waits for capacity: {msg.reason} (place {msg.position})"
     else:
         out["result"] = "ok"
     sandbox = getattr(msg, "sandbox", None)
@@ -381,15 +394,19 @@ async def build_story(
         found = configs.get(fp)
         allowance = found.max_clock_ahead_s if found is not None else None
         await schema_registry.ensure(rec.value)
+        event: DecidedEvent
         try:
-            event = decode_input(
-                rec.key,
-                rec.value,
-                rec.headers,
-                record_time_ms=rec.timestamp,
-                max_ahead_s=max_clock_ahead_s if allowance is None else allowance,
-                topic_carries=topics.carries(rec.topic),
-            )
+            if rec.topic == topics.admissions and topics.capacity_on:
+                event = decode_answer(rec.key, rec.value, rec.headers)
+            else:
+                event = decode_input(
+                    rec.key,
+                    rec.value,
+                    rec.headers,
+                    record_time_ms=rec.timestamp,
+                    max_ahead_s=max_clock_ahead_s if allowance is None else allowance,
+                    topic_carries=topics.carries(rec.topic),
+                )
         except DecodeError as exc:
             if (rec.key or b"").decode("utf-8", errors="replace") == target:
                 letters.append(
@@ -540,7 +557,7 @@ async def explain(
     isolation = "read_committed" if guarantee == "exactly_once" else "read_uncommitted"
     read = functools.partial(read_topics, bootstrap, isolation_level=isolation, security=security)
     inputs_by_tp, outcome_recs, dlq_recs, state_recs, config_recs = await asyncio.gather(
-        read(topics.inputs),
+        read(topics.consumed),  # with a cap on, the capacity ledger's answers too
         read([topics.outcomes]),
         read([topics.dead_letter]),
         read([topics.state]),

@@ -104,6 +104,17 @@ def summary_table(report: ReplayReport) -> str:
         ),
         ("final states", report.states_compared, report.states_compared, report.states_matched, st_div),
     ]
+    if report.capacity_records:
+        cap_div = sum(v for k, v in by_kind.items() if "capacity" in k)
+        rows.append(
+            (
+                "capacity",
+                report.capacity_answers_derived,
+                report.capacity_answers_recorded,
+                report.capacity_answers_matched,
+                cap_div,
+            )
+        )
     lines = [
         f"replay from {report.window}: {report.inputs} input records, {report.in_window} compared, "
         f"{report.decisions} decisions applied, {report.duplicates_ignored} duplicates ignored",

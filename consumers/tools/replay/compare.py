@@ -118,6 +118,11 @@ class ReplayReport:
     unknown_fingerprint: int = 0
     #: Decisions made under another configuration than the one replayed (``--with-current-config``).
     config_differs: int = 0
+    #: The capacity ledger (a cap on): its log's records decided again, its answers compared.
+    capacity_records: int = 0
+    capacity_answers_derived: int = 0
+    capacity_answers_recorded: int = 0
+    capacity_answers_matched: int = 0
     window: str = "beginning"
     divergences: list[Divergence] = field(default_factory=list)
 

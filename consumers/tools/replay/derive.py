@@ -40,12 +40,14 @@ from consumers.tools.replay.compare import (
     compare_states,
     source_of,
 )
+from consumers.tools.replay.ledger import compare_ledger
 from events import schema_registry
 from events.codec import (
     OUTCOME_TYPES,
+    DecidedEvent,
     DecodeError,
-    InputEvent,
     decode,
+    decode_answer,
     decode_input,
     decode_lane_config,
     decode_state,
@@ -108,10 +110,10 @@ class RecordedRunner(CommandRunner):
 
     def __init__(self, recorded: Mapping[str, list[RecordedOutcome]]) -> None:
         self._recorded = recorded
-        self._event: InputEvent | None = None
+        self._event: DecidedEvent | None = None
         self.unanswered: list[Command] = []
 
-    def bind(self, event: InputEvent) -> None:
+    def bind(self, event: DecidedEvent) -> None:
         self._event = event
 
     def lookup(self, command: Command) -> RecordedOutcome | None:
@@ -174,7 +176,7 @@ async def replay(
     isolation = "read_committed" if guarantee == "exactly_once" else "read_uncommitted"
     snapshot_ms = int(time.time() * 1000)
     read = functools.partial(read_topics, bootstrap, isolation_level=isolation, security=security)
-    inputs_by_tp = await read(topics.inputs)
+    inputs_by_tp = await read(topics.consumed)  # with a cap on, the ledger's answers too
     outcome_recs = await read([topics.outcomes])
     dlq_recs = await read([topics.dead_letter])
     state_recs = await read([topics.state])
@@ -275,18 +277,22 @@ async def replay(
             if differs:
                 changed_where[where] = differs
             await schema_registry.ensure(rec.value)
+            event: DecidedEvent
             try:
-                event = decode_input(
-                    rec.key,
-                    rec.value,
-                    rec.headers,
-                    record_time_ms=rec.timestamp,
-                    # The clock allowance the input was judged under (recorded with its configuration).
-                    max_ahead_s=max_clock_ahead_s
-                    if config.max_clock_ahead_s is None
-                    else config.max_clock_ahead_s,
-                    topic_carries=topics.carries(rec.topic),
-                )
+                if rec.topic == topics.admissions and topics.capacity_on:
+                    event = decode_answer(rec.key, rec.value, rec.headers)
+                else:
+                    event = decode_input(
+                        rec.key,
+                        rec.value,
+                        rec.headers,
+                        record_time_ms=rec.timestamp,
+                        # The clock allowance the input was judged under (recorded with its configuration).
+                        max_ahead_s=max_clock_ahead_s
+                        if config.max_clock_ahead_s is None
+                        else config.max_clock_ahead_s,
+                        topic_carries=topics.carries(rec.topic),
+                    )
             except DecodeError as exc:
                 if compare:
                     derived_dlq[where] = exc.reason
@@ -361,6 +367,8 @@ async def replay(
                 )
             )
 
+    if topics.capacity_on:  # every admission re-derived from the capacity log alone
+        compare_ledger(await read([topics.capacity]), await read([topics.admissions]), report)
     compare_dead_letters(derived_dlq, recorded_dlq, inputs_by_tp, window, report)
     compare_states(states, touched, recorded_states, report)
     report.config_differs = len(changed)
