@@ -18,7 +18,13 @@ State machine (spec 5.3): ``ensure`` reads the Deployment's ``spec.replicas``;
 absent → Secret, PVC, Deployment (in that order); 0 → scale to 1 through the
 ``scale`` subresource with nothing re-applied; ≥1 → fast path (the pod keeps the
 token it booted with). ``deprovision`` deletes Deployment, Secret, PVC; a 404 is
-success. No readiness wait anywhere.
+success. No readiness wait anywhere; after a create or a scale-up the ensure waits (up to
+``admission_wait_seconds``) only for the engine to make the pod or refuse it for quota.
+
+Engine quota is capacity (``drivers.kubernetes.admission``): a write refused 403 ``exceeded quota``
+and a Deployment whose pod a ``ResourceQuota`` refused (``ReplicaFailure``) raise
+:class:`~drivers.contract.CapacityRefused`, which the pod waits out; a refused Deployment is deleted
+first, so it holds nothing and the next ensure is a fresh create.
 
 Ownership (names are 48 bits of sha256, so two ids can share one; two installations can share a
 namespace): every object carries the ``stigmer.ai/sandbox-id`` and ``stigmer.ai/installation``
@@ -65,7 +71,8 @@ Options (``config.options``): ``kubeconfig``, ``kubeconfig_context``,
 ``cpu_request`` / ``memory_request`` / ``cpu_limit`` / ``memory_limit`` (defaults
 ``500m`` / ``512Mi`` / ``2`` / ``2Gi``), ``request_timeout`` seconds (default 30),
 ``max_pool_size`` (default 32: connections kept to the API server; below the pod's driver
-concurrency, a burst opens and throws away connections).
+concurrency, a burst opens and throws away connections), ``admission_wait_seconds`` (default 10;
+0 = off: a pod refused for quota then goes unseen).
 """
 
 from __future__ import annotations
