@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
+from consumers.lanes.capacity_rules import released
 from consumers.lanes.commands import LaneConfig
 from consumers.lanes.reap import ReapPlan, plan_reap, reaped_event
 from consumers.ops import reaper_states
@@ -241,6 +242,13 @@ class Reaper:
         await producer.send_and_wait(
             self.topics.outcomes, record.value, key=record.key, headers=record.headers
         )
+        if self.topics.capacity_on:  # a cap on: the sandbox no longer counts (docs/guarantees.md "Capacity")
+            at = event.meta.occurred_at if event.meta.HasField("occurred_at") else None
+            freed = released(event.meta.event_id, at, sb.name, "", f"reaped: {result.plan.reason}", self.lane)
+            out = encode(freed, source=self.lane.source)
+            await producer.send_and_wait(
+                self.topics.capacity, out.value, key=out.key, headers=out.headers, partition=0
+            )
         if self.metrics is not None:
             self.metrics.reaped.labels(self.provisioner.driver_name).inc()
         logger.info(
