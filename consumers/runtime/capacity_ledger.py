@@ -220,7 +220,7 @@ class CapacityLedgerTask:
         assert consumer is not None
         if self._assigned and self._ledger is None:
             await self._take_over()
-        fetched = await consumer.getmany(self._tp, timeout_ms=200, max_records=500)
+        fetched = await consumer.getmany(timeout_ms=200, max_records=500)  # its one partition, if assigned
         records = fetched.get(self._tp, [])
         if self._ledger is None or self._producer is None:
             return

@@ -241,7 +241,11 @@ async def test_every_alert_fires_in_its_scenario_and_every_panel_returns_series(
     from consumers.runtime.kafka.sink import TransactionalSink
 
     env = unique_env(
-        kafka_bootstrap, tmp_path, SANDBOX_PROVISIONER_TYPE="memory", SANDBOX_LANES_REAP_GRACE_S="0"
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_PROVISIONER_TYPE="memory",
+        SANDBOX_LANES_REAP_GRACE_S="0",
+        SANDBOX_LANES_MAX_SANDBOXES="3",  # the capacity ledger on: its panels and its alert
     )
     settings = load_settings(env)
     topics = settings.topics
@@ -251,6 +255,7 @@ async def test_every_alert_fires_in_its_scenario_and_every_panel_returns_series(
         "SandboxLanesLeakedSandboxes",
         "SandboxLanesConsumerLag",
         "SandboxLanesCommitFailures",
+        "SandboxLanesCapacityFull",
     }, "a new shipped alert needs its scenario here"
     provisioner = MemoryProvisioner()
     async with running_pod(env, provisioner=provisioner) as composed:
@@ -292,12 +297,19 @@ async def test_every_alert_fires_in_its_scenario_and_every_panel_returns_series(
 
                 # 1. A healthy run: lanes provision and tear down, nothing fails. No alert is active,
                 #    and every alert expression, run as a query, returns nothing.
+                #    (Three sandboxes, the cap: each is provisioned before its end is produced, so
+                #    none ends while it still waits for its admission.)
                 await produce(
                     kafka_bootstrap,
                     env,
                     wf_created("wfx_dash_1"),
                     wf_created("wfx_dash_2"),
                     agent_created("axr_dash_1", "ses_dash_1"),
+                )
+                await read_topic(kafka_bootstrap, topics.outcomes, at_least=3)
+                await produce(
+                    kafka_bootstrap,
+                    env,
                     completed("wfx_dash_1"),
                     inputs_pb2.SessionDeleted(meta=new_meta(), session_id="ses_dash_1"),
                 )
@@ -326,6 +338,15 @@ async def test_every_alert_fires_in_its_scenario_and_every_panel_returns_series(
                 report = await reaper.run_once(apply=True)
                 assert [r.removed for r in report.results] == [True], report
                 await scraped("sum(sandbox_lanes_reaped_sandboxes_total)", 1)
+
+                # 3b. The cap (3) held with a create waiting: three sandboxes run, a fourth waits
+                #     (SandboxQueued tells upstream).
+                await produce(kafka_bootstrap, env, *(wf_created(f"wfx_full_{i}") for i in range(4)))
+                await scraped("max(sandbox_lanes_capacity_live_sandboxes)", 3)
+                await scraped("sum(sandbox_lanes_capacity_waiting)", 1)
+                await firing(
+                    {"SandboxLanesDeadLetters", "SandboxLanesLeakedSandboxes", "SandboxLanesCapacityFull"}
+                )
 
                 # 4. A stuck partition: the broker refuses every commit (injected at the commit
                 #    call; each transaction is real and aborted for real) while 1,100 records arrive.

@@ -116,6 +116,11 @@ DEAD_LETTER_TOPIC_CONFIG: dict[str, str] = {
     "retention.ms": str(DEAD_LETTER_RETENTION_MS),
 }
 
+#: The capacity log is the ledger's whole input: kept for ever (about 150 bytes a request, a release or
+#: a tick; ticks only while a create waits), so ``replay`` re-derives every admission from its first.
+#: An operator may bound it (``retention.ms``) where the audit does not need more (docs/operations.md).
+CAPACITY_LOG_CONFIG: dict[str, str] = {"cleanup.policy": "delete", "retention.ms": "-1"}
+
 Role = Literal["input", "state", "output", "dead-letter", "config", "capacity"]
 
 
@@ -160,7 +165,7 @@ def plan_topics(topics: Topics, partitions: int, replication: int = BROKER_DEFAU
     if topics.capacity_on:
         roles += [
             (topics.admissions, "capacity", {}),
-            (topics.capacity, "capacity", {}),
+            (topics.capacity, "capacity", CAPACITY_LOG_CONFIG),
             (topics.capacity_ledger, "capacity", STATE_TOPIC_CONFIG),
         ]
         single |= {topics.capacity, topics.capacity_ledger}

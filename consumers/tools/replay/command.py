@@ -82,6 +82,7 @@ def lane_config(settings: Settings, driver_name: str | None = None) -> LaneConfi
         stamp_fingerprint=True,
         max_clock_ahead_s=settings.max_clock_ahead_s,
         state_retention_s=settings.state_retention_s,
+        capacity=settings.topics.capacity_on,
     )
 
 
