@@ -376,7 +376,7 @@ class TxnProducer:
                 except Exception as flush_failed:  # the world's (a deadline: abandoned): as it is
                     return flush_failed
             refusal = self._first_failure(purged_too=True)
-        elif error is not None and at_commit:
+        elif error is not None and at_commit and not error.fatal():  # a fence is the commit's own answer
             producer.poll(0)
             refusal = self._first_failure(purged_too=error.code() == KafkaError._INCONSISTENT)
         return translate(exc) if refusal is None else refusal
