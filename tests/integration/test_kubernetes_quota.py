@@ -192,8 +192,9 @@ async def test_quota_refusals_are_waited_out_and_every_execution_runs(
         assert samples.max_live_pods <= limit
     else:
         assert samples.max_deployments <= limit
-    # ... and the quota was what held the creates back: every create over it was refused and waited.
-    assert waits >= creates - limit and timeouts == 0
+    # ... and the quota was what held the creates back: it was reached, and creates were refused and
+    # waited out (not all of the ones over it need be: one decided after a teardown may find room).
+    assert samples.max_used == limit and waits >= 1 and timeouts == 0
     await wait_for("every runner pod to go", lambda: not core.list_namespaced_pod(ns).items, timeout=90)
     assert apps.list_namespaced_deployment(ns).items == []
 
