@@ -10,16 +10,17 @@ no randomness, and every choice is made in sequence order (or by a unique minimu
 order a dict happened to fill. So replaying the log over an empty ledger gives the same answers,
 and a ledger restored from the changelog (``Ledger.from_claims``) decides as the live one.
 
-Fairness, stateless: among organisations with a waiting claim under their own cap, the one holding
-the FEWEST admitted sandboxes is served first (ties: the one whose oldest waiting claim came
-first); within an organisation, first in, first out. This is the issue's round-robin made a
-function of the ledger alone: an organisation that bursts fills at most its share before the
-others are served again, so a burst cannot starve anyone, and no cursor has to be stored and
-restored. (Right after a burst that was admitted before anyone waited, the others catch up on
-held sandboxes first; from then on admissions alternate.)
+Fairness: round-robin across the organisations with a create waiting (and under their own cap),
+in name order from the one admitted last, wrapping round; within an organisation, first in, first
+out. A burst of one organisation gets one admission per round however many it sent, so it cannot
+starve anyone, and while several wait their admissions are equal (within one). (A first version
+served the organisation holding the fewest sandboxes: with a cap not divisible by the organisations
+waiting, the tie-break gave the same one the odd place every time, 40 % of admissions among three
+at cap 10, measured on Docker.)
 
-The caps and the last tick are state too: kept under the reserved key ``TICK_KEY`` as a
-``CapacityClaim`` whose only field is ``tick`` (sandbox keys are DNS-label names, never "~").
+The caps, the last tick and the round-robin's place (the organisation admitted last) are state
+too: kept under the reserved key ``TICK_KEY`` as a ``CapacityClaim`` with ``tick`` and ``org``
+(sandbox keys are DNS-label names, never "~").
 
 Cost per decision: O(log n) in the claims (a Fenwick tree for positions, a heap for time-outs,
 per-organisation FIFOs) plus O(organisations waiting) per admission; never a pass over the claims
@@ -184,6 +185,8 @@ class Ledger:
         self._default_caps = default_caps
         self._caps = default_caps
         self._tick: capacity_pb2.CapacityTick | None = None
+        #: The organisation admitted last: round-robin goes on after it (kept with the tick).
+        self._last_org = ""
         self._claims: dict[str, capacity_pb2.CapacityClaim] = {}
         self._held = 0
         self._held_by_org: dict[str, int] = {}
@@ -206,6 +209,7 @@ class Ledger:
     def apply(self, key: str, claim: capacity_pb2.CapacityClaim | None) -> None:
         """Set ``key`` to a changelog value (None: tombstone). The claim is copied."""
         if key == TICK_KEY:
+            self._last_org = claim.org if claim is not None else ""
             if claim is None or not claim.HasField("tick"):
                 self._tick = None
                 self._caps = self._default_caps
@@ -262,6 +266,7 @@ class Ledger:
         return (
             self._caps,
             self._tick,
+            self._last_org,
             self._claims,
             self._held,
             self.held_by_org(),
@@ -297,7 +302,9 @@ class Ledger:
         changes: dict[str, capacity_pb2.CapacityClaim | None] = {}
         for key in touched:
             if key == TICK_KEY:
-                changes[key] = capacity_pb2.CapacityClaim(sandbox_key=TICK_KEY, tick=self._tick)
+                changes[key] = capacity_pb2.CapacityClaim(
+                    sandbox_key=TICK_KEY, tick=self._tick, org=self._last_org
+                )
             elif key in self._claims:
                 snapshot = capacity_pb2.CapacityClaim()
                 snapshot.CopyFrom(self._claims[key])
@@ -431,17 +438,23 @@ class Ledger:
     ) -> None:
         caps = self._caps
         while caps.max_sandboxes == 0 or self._held < caps.max_sandboxes:
-            best: tuple[int, int, str] | None = None
-            for org, queue in self._waiting_by_org.items():
-                held = self._held_by_org.get(org, 0)
-                if caps.max_per_org and held >= caps.max_per_org:
+            # Round-robin: the first organisation after the one admitted last (by name, wrapping
+            # round) that has a create waiting and is under its own cap.
+            after: str | None = None
+            first: str | None = None
+            for org in self._waiting_by_org:
+                if caps.max_per_org and self._held_by_org.get(org, 0) >= caps.max_per_org:
                     continue
-                candidate = (held, next(iter(queue.values())), org)  # oldest sequences are unique
-                if best is None or candidate < best:
-                    best = candidate
-            if best is None:
+                if first is None or org < first:
+                    first = org
+                if org > self._last_org and (after is None or org < after):
+                    after = org
+            chosen = after if after is not None else first
+            if chosen is None:
                 return
-            key = next(iter(self._waiting_by_org[best[2]]))
+            self._last_org = chosen
+            touched[TICK_KEY] = None
+            key = next(iter(self._waiting_by_org[chosen]))
             claim = self._claims[key]
             self._unindex_waiting(claim)
             claim.admitted = True

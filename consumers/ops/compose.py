@@ -136,6 +136,7 @@ def compose(
             logger,
             ensure_timeout_s=settings.ensure_timeout_s,
             teardown_timeout_s=settings.teardown_timeout_s,
+            admission_timeout_s=settings.admission_timeout_s,
             metrics=metrics,
         )
     )

@@ -5,7 +5,8 @@ execution completes 1-5 s after its sandbox is provisioned. The engine is sample
 test (the installation's containers as dockerd lists them, not the pod's counts). Verdicts: never more
 containers than the cap, and the cap reached; every execution provisioned once and torn down once;
 while all three organisations wait (from the first time the engine holds the cap until one of them has
-no create left), each one's share of admissions within 10 % of equal; ``replay`` exact.
+no create left), each one's share of admissions within 10 % of equal (and one admission, for
+rounding in CI's smaller window); ``replay`` exact.
 
 CI runs cap 10 and 150 creates; ``CAPACITY_DOCKER_FULL=1`` runs the issue's cap 20 and 300 creates
 (its figures are in docs/guarantees.md "Capacity").
@@ -79,8 +80,9 @@ async def test_a_burst_from_three_organisations_never_holds_more_containers_than
     sampling = True
 
     def count() -> int:
-        mine = client.containers.list(filters={"label": f"{LABEL_INSTALLATION}={installation}"})
-        return len(mine)
+        # The engine's own list of the installation's running containers (one call: the high-level
+        # list inspects each container after, which races the teardowns).
+        return len(client.api.containers(filters={"label": f"{LABEL_INSTALLATION}={installation}"}))
 
     async def sample() -> None:
         while sampling:
@@ -147,11 +149,13 @@ async def test_a_burst_from_three_organisations_never_holds_more_containers_than
     elapsed = time.monotonic() - started
     most = max(n for _, n in samples)
 
-    # While all three wait: from the first sample at the cap until one organisation's last provision.
-    full_at = next(t for t, n in samples if n >= CAP)
+    # While all three wait: the first CAP creates are admitted as they arrive (nobody waits yet);
+    # every later admission is of a waiting create, until one organisation has none left (its last
+    # provision). Counted by provision time, from the test's own outcome reader.
+    order = sorted(provisioned.items(), key=lambda item: item[1])
     last_of = {org: max(t for e, t in provisioned.items() if org_of[e] == org) for org in ORGS}
     until = min(last_of.values())
-    shares = Counter(org_of[e] for e, t in provisioned.items() if full_at <= t <= until)
+    shares = Counter(org_of[e] for e, t in order[CAP:] if t <= until)
     total = sum(shares.values())
     print(
         f"\n{CREATES} creates, cap {CAP}: {elapsed:.1f} s; engine held at most {most} containers "
@@ -165,7 +169,7 @@ async def test_a_burst_from_three_organisations_never_holds_more_containers_than
     assert teardowns == Counter({e: 1 for e in ids}), "each execution torn down once"
     assert total >= 3 * 5, shares  # a window long enough to judge
     for org in ORGS:
-        assert abs(shares[org] - total / 3) <= 0.1 * total / 3 + 1, (org, shares)  # ±10 % (and one admission)
+        assert abs(shares[org] - total / 3) <= 0.1 * total / 3 + 1, (org, shares)  # ±10 % (and one, rounding)
 
     report = await replay(kafka_bootstrap, topics, lane_config(settings, "docker"), show_progress=False)
     print(summary_table(report))

@@ -2,8 +2,8 @@
 
 Expectations come from the issue's and the design's words: a cap counts admitted sandboxes (a
 session's once); over it a create waits; first in, first out within an organisation; across
-organisations the one holding the fewest sandboxes goes first (ties: whose oldest wait came
-first); a release frees and admits the next; a waiter released while it waits leaves without a
+organisations round-robin (in name order after the one admitted last, wrapping round), skipping
+an organisation at its own cap; a release frees and admits the next; a waiter released while it waits leaves without a
 sandbox; a wait longer than the time-out ends at a tick; caps come from ticks; nothing is revoked.
 The scenario tests spell their expectations out by hand; the randomized test checks the answers
 against a naive reference model of those rules written here (a pass over everything each time),
@@ -227,9 +227,10 @@ def test_the_installation_cap_and_the_organisation_cap_both_hold() -> None:
     assert (q.reason, q.position) == ("capacity: organisation cap 2 reached", 2)
     [q] = _queued(log.request("c1", "c1", "C"))
     assert (q.reason, q.position) == ("capacity: installation cap 4 reached", 3)
-    # A frees one: A (1 held) and C (0 held) may take it, B is at its own cap: C holds fewest.
+    # A frees one: A and C may take it (B is at its own cap); B was admitted last, so the round
+    # goes on to C.
     assert _admitted(log.release("a1")) == ["c1"]
-    # B frees one: A and B hold 1 each; A's oldest wait (a3) came before B's (b3).
+    # B frees one: A and B may; after C the round wraps to A.
     assert _admitted(log.release("b1")) == ["a3"]
     # C frees one: only B is under its cap.
     assert _admitted(log.release("c1")) == ["b3"]
@@ -433,12 +434,13 @@ class _Model:
     def __init__(self, caps: Caps) -> None:
         self.caps = caps
         self.claims: dict[str, _MClaim] = {}
+        self.last_org = ""
 
     def held(self, org: str | None = None) -> int:
         return sum(1 for c in self.claims.values() if c.admitted and (org is None or c.org == org))
 
-    def eligible(self) -> list[tuple[int, int, str]]:
-        """(held by the org, the org's oldest waiting sequence, key of that claim) per eligible org."""
+    def eligible(self) -> list[tuple[str, int, str]]:
+        """(org, the org's oldest waiting sequence, key of that claim) per eligible org."""
         if self.caps.max_sandboxes and self.held() >= self.caps.max_sandboxes:
             return []
         oldest: dict[str, tuple[int, str]] = {}
@@ -446,7 +448,7 @@ class _Model:
             if not c.admitted and (c.org not in oldest or c.seq < oldest[c.org][0]):
                 oldest[c.org] = (c.seq, key)
         return [
-            (self.held(org), seq, key)
+            (org, seq, key)
             for org, (seq, key) in oldest.items()
             if not (self.caps.max_per_org and self.held(org) >= self.caps.max_per_org)
         ]
@@ -500,7 +502,10 @@ class _Model:
                 if not claim.waiters:
                     del self.claims[key]
         while self.eligible():
-            _, _, key = min(self.eligible())
+            candidates = sorted(self.eligible())  # by org name
+            later = [c for c in candidates if c[0] > self.last_org]
+            org, _, key = (later or candidates)[0]  # the next after the last admitted, wrapping round
+            self.last_org = org
             claim = self.claims[key]
             claim.admitted = True
             out += [
