@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer
+from aiokafka.partitioner import murmur2
 from harness.memory_driver import MemoryProvisioner
 
 from consumers.ops.settings import load_settings
@@ -29,7 +30,7 @@ from consumers.tools.replay import lane_config, replay
 from consumers.tools.replay.command import summary_table
 from events.codec import OUTCOME_TYPES, decode
 from events.sandbox_lanes.v1 import outcomes_pb2
-from tests.support.pod_harness import produce, running_pod, unique_env, wf_created, wf_terminal
+from tests.support.pod_harness import produce, read_topic, running_pod, unique_env, wf_created, wf_terminal
 
 pytestmark = pytest.mark.kafka
 
@@ -142,3 +143,78 @@ async def test_two_pods_never_hold_more_sandboxes_than_the_cap_and_every_create_
     print(summary_table(report))
     assert not report.diverged, [d.as_dict() for d in report.divergences][:5]
     assert report.capacity_answers_recorded == report.capacity_answers_matched >= CREATES
+
+
+def _on_partition(prefix: str, partition: int, partitions: int, n: int) -> list[str]:
+    """``n`` execution ids whose records the producers' partitioner (murmur2 of the key, as Java's and
+    aiokafka's) puts on ``partition``."""
+    ids: list[str] = []
+    i = 0
+    while len(ids) < n:
+        candidate = f"{prefix}-{i}"
+        if (murmur2(candidate.encode()) & 0x7FFFFFFF) % partitions == partition:
+            ids.append(candidate)
+        i += 1
+    return ids
+
+
+@pytest.mark.timeout(180)
+async def test_with_all_the_load_on_one_partition_that_partition_uses_the_whole_cap(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """Capacity is not stranded: the cap is the installation's, not split by partition (4 here)."""
+    env = unique_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_PROVISIONER_TYPE="memory",
+        SANDBOX_LANES_PARTITIONS="4",
+        SANDBOX_LANES_MAX_SANDBOXES="8",
+    )
+    topics = load_settings(env).topics
+    engine = MemoryProvisioner()
+    ids = _on_partition(f"wf-one-{uuid.uuid4().hex[:6]}", 1, 4, 12)
+    async with running_pod(env, provisioner=engine):
+        await produce(kafka_bootstrap, env, *(wf_created(e) for e in ids))
+        deadline = time.monotonic() + 60
+        while len(engine.live) < 8 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        held = len(engine.live)
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=12, settle_s=0.5)
+    created = await read_topic(kafka_bootstrap, topics.execution_created, at_least=12, settle_s=0.2)
+    assert {r.partition for r in created} == {1}  # the premise: every create on one partition
+    print(f"\none partition of 4 held {held} sandboxes of a cap of 8")
+    assert held == 8, f"one partition held {held} of a cap of 8: capacity stranded"
+    kinds = Counter(type(o.message).__name__ for o in outcomes)
+    assert kinds == Counter({"SandboxProvisioned": 8, "SandboxQueued": 4}), kinds
+
+
+@pytest.mark.timeout(180)
+async def test_a_create_that_waits_past_the_admission_timeout_fails_as_its_lane_does(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """Cap 1, a 2 s admission time-out: the first workflow runs on, the second waits and then fails
+    the workflow lane's way (SandboxFailed, critical, its reason starting ``capacity:``)."""
+    env = unique_env(
+        kafka_bootstrap,
+        tmp_path,
+        SANDBOX_PROVISIONER_TYPE="memory",
+        SANDBOX_LANES_MAX_SANDBOXES="1",
+        SANDBOX_LANES_ADMISSION_TIMEOUT_S="2",
+    )
+    topics = load_settings(env).topics
+    run = uuid.uuid4().hex[:6]
+    first, second = f"wf-to-{run}-1", f"wf-to-{run}-2"
+    async with running_pod(env, provisioner=MemoryProvisioner()):
+        await produce(kafka_bootstrap, env, wf_created(first))
+        await read_topic(kafka_bootstrap, topics.outcomes, at_least=1, settle_s=0.1)
+        await produce(kafka_bootstrap, env, wf_created(second))
+        outcomes = await read_topic(kafka_bootstrap, topics.outcomes, at_least=3, timeout_s=60, settle_s=0.5)
+    by_execution = {(o.message.execution_id, type(o.message).__name__): o.message for o in outcomes}
+    assert set(by_execution) == {
+        (first, "SandboxProvisioned"),
+        (second, "SandboxQueued"),
+        (second, "SandboxFailed"),
+    }, sorted(by_execution)
+    failed = by_execution[(second, "SandboxFailed")]
+    assert failed.critical and failed.reason.startswith("capacity: waited "), failed.reason
+    assert failed.message == "failed to provision workflow sandbox"
