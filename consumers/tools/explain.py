@@ -140,6 +140,9 @@ def rule_of(
         return "dead letter", f"the pod cannot decide it: {decision.reject}"
     commands = decision.commands
     messages = {log.message for log in decision.logs}
+    # A cap on: the lane's ensure waits for the capacity ledger's admission (asked in its place).
+    asked = any(isinstance(r, capacity_pb2.CapacityRequested) for r in decision.capacity)
+    then = "; a cap is on: asked the capacity ledger first" if asked else ""
     if isinstance(event, capacity_pb2.CapacityQueued):
         return "capacity: waits", f"{event.reason}; its place among the creates waiting: {event.position}"
     if isinstance(event, capacity_pb2.CapacityAdmitted):
@@ -180,10 +183,11 @@ def rule_of(
                     f"resolved target CLOUD under STIGMER_ACTIVITY_ROUTING={config.agent.activity_routing}: "
                     "Sandbox provisioning skipped: session routing is not per-session"
                 )
-            if commands:
+            if commands or asked:
                 return "session lane", (
                     "lane enabled, session_id set, no activity_task_queue override, resolved target CLOUD "
                     f"and the queue is session:{event.session_id}: ensure the session sandbox (non-critical)"
+                    + then
                 )
             return "session lane (does not fire)", (
                 f"the resolved target is not CLOUD (session target "
@@ -195,11 +199,11 @@ def rule_of(
             return "workflow lane (does not fire)", (
                 f"STIGMER_WORKFLOW_ACTIVITY_ROUTING={routing}: the lane runs only under execution routing"
             )
-        if commands:
+        if commands or asked:
             return "workflow lane", (
                 "lane enabled, STIGMER_WORKFLOW_ACTIVITY_ROUTING=execution, resolved target CLOUD; queue "
                 f"wfexec:{event.execution_id}: ensure the workflow sandbox "
-                "(critical: a failure refuses the create)"
+                "(critical: a failure refuses the create)" + then
             )
         return "workflow lane (does not fire)", (
             f"the resolved target is not CLOUD (workflow target "

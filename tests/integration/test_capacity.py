@@ -26,6 +26,7 @@ from aiokafka.partitioner import murmur2
 from harness.memory_driver import MemoryProvisioner
 
 from consumers.ops.settings import load_settings
+from consumers.tools.explain import explain, render_text
 from consumers.tools.replay import lane_config, replay
 from consumers.tools.replay.command import summary_table
 from events.codec import OUTCOME_TYPES, decode
@@ -143,6 +144,14 @@ async def test_two_pods_never_hold_more_sandboxes_than_the_cap_and_every_create_
     print(summary_table(report))
     assert not report.diverged, [d.as_dict() for d in report.divergences][:5]
     assert report.capacity_answers_recorded == report.capacity_answers_matched >= CREATES
+
+    # explain tells one waiting execution's story: asked, told it waits (where), admitted, ran, ended.
+    waited = sorted(queued)[0]
+    story = await explain(kafka_bootstrap, topics, lane_config(settings, "memory"), waited)
+    rules = [step["rule"] for step in story["steps"]]
+    assert rules[:3] == ["workflow lane", "capacity: waits", "capacity: admitted"], rules
+    text = render_text(story)
+    assert f"capacity: installation cap {CAP} reached" in text and "waits for capacity" in text, text
 
 
 def _on_partition(prefix: str, partition: int, partitions: int, n: int) -> list[str]:
