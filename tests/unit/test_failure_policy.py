@@ -15,7 +15,7 @@ from aiokafka.errors import (
 )
 
 from consumers.runtime.failure_policy import POLICY, Action, Decision, Fault, History, Site, classify, decide
-from consumers.runtime.kafka.txn_producer import FatalProducer
+from consumers.runtime.kafka.producer_errors import FatalProducer
 from consumers.runtime.state.interface import StateStoreFault
 from events.codec import DecodeError
 

@@ -18,7 +18,7 @@ from aiokafka.errors import (
 from confluent_kafka import KafkaError, KafkaException
 
 from consumers.runtime.kafka.failures import is_deterministic
-from consumers.runtime.kafka.txn_producer import FatalProducer, RecordRefused, TransactionError, translate
+from consumers.runtime.kafka.producer_errors import FatalProducer, RecordRefused, TransactionError, translate
 
 
 def _raised(code: int) -> BaseException:

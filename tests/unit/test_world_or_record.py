@@ -22,8 +22,8 @@ from google.protobuf.message import DecodeError as ProtobufDecodeError
 from google.protobuf.message import EncodeError
 
 from consumers.runtime.kafka.failures import is_deterministic
+from consumers.runtime.kafka.producer_errors import BrokerWaitExpired, RecordRefused
 from consumers.runtime.kafka.topology import Topics
-from consumers.runtime.kafka.txn_producer import BrokerWaitExpired, RecordRefused
 from events.codec import DecodeError, decode_input, encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 from resilience.episode import Episode

@@ -17,7 +17,7 @@ from typing import Final
 from aiokafka import errors as kafka_errors
 from google.protobuf.message import Error as ProtobufError
 
-from consumers.runtime.kafka.txn_producer import RecordRefused
+from consumers.runtime.kafka.producer_errors import RecordRefused
 from events.codec import DecodeError, EncodedRecord
 
 #: The largest record the pod produces: aiokafka's default ``max_request_size`` (1,048,576 B) less

@@ -37,17 +37,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeVar
 
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError as AioKafkaError
-from aiokafka.errors import ProducerFenced, for_code
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
 from confluent_kafka import TopicPartition as RdTopicPartition
+
+from consumers.runtime.kafka.producer_errors import (
+    PURGED_CODES,
+    BrokerWaitExpired,
+    TransactionError,
+    as_aiokafka,
+    named,
+    translate,
+)
+from consumers.runtime.kafka.producer_thread import Worker, retrieve
 
 logger = logging.getLogger("sandbox_lanes.librdkafka")
 
@@ -57,128 +64,6 @@ _T = TypeVar("_T")
 DEADLINE_GRACE_S: Final = 5.0
 #: How often a full producer queue is looked at again (the loop yields in between: no spinning).
 _QUEUE_FULL_WAIT_S: Final = 0.01
-
-#: librdkafka's own codes for a record refused for its content (a broker's refusal has a broker code).
-_LOCAL_RECORD_CODES: Final = frozenset({KafkaError._INVALID_ARG, KafkaError._BAD_MSG})
-#: The broker's refusals of a record for what it is that aiokafka has no class for: INVALID_RECORD
-#: (87: e.g. a null key on a compacted topic) would otherwise be an UnknownError, the world's.
-_BROKER_RECORD_CODES: Final = frozenset({KafkaError.INVALID_RECORD})
-#: A record librdkafka dropped unsent because its transaction failed or aborted: a consequence,
-#: never the cause (its report may even come before the cause's, or in the next transaction's).
-_PURGED_CODES: Final = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
-
-
-class TransactionError(AioKafkaError):  # type: ignore[misc]
-    """A librdkafka failure of its own (local codes: transport, timeout, state): retried."""
-
-
-class RecordRefused(TransactionError):
-    """librdkafka refused a record for its content before sending it: deterministic."""
-
-
-class FatalProducer(ProducerFenced):  # type: ignore[misc]
-    """librdkafka made the producer fatal and answers ``_FATAL``: after a fence (its ``produce``
-    then raises ``_FATAL``, the fence itself only in its log) or an error it cannot recover from.
-    The pod stands down as for a fence: a rejoin is always safe, while taking the partition over
-    anew could fence the partition's new owner."""
-
-
-class BrokerWaitExpired(TransactionError):
-    """A broker wait outlived its deadline: the producer is abandoned (a failure of the world)."""
-
-
-class _Worker:
-    """One daemon thread running a producer's blocking calls in order, answering on the loop.
-
-    A daemon thread, not an executor's: a call stuck inside librdkafka must not keep the
-    interpreter from exiting (``ThreadPoolExecutor`` threads are joined at exit).
-    """
-
-    def __init__(self, name: str) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], asyncio.Future[Any]] | None] = (
-            queue.SimpleQueue()
-        )
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    @property
-    def thread(self) -> threading.Thread:
-        return self._thread
-
-    def _serve(self) -> None:
-        while (item := self._calls.get()) is not None:
-            call, future = item
-            try:
-                result = call()
-            except BaseException as exc:  # handed to the awaiting coroutine
-                _answer(future, None, exc)
-            else:
-                _answer(future, result, None)
-            del item, call, future  # no reference to the producer outlives the call
-
-    def submit(self, call: Callable[[], _T]) -> asyncio.Future[_T]:
-        future: asyncio.Future[_T] = asyncio.get_running_loop().create_future()
-        self._calls.put((call, future))
-        return future
-
-    def stop(self) -> None:
-        self._calls.put(None)
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """Read the answer of a call nobody waits for any more (so asyncio does not report it)."""
-    if not future.cancelled():
-        future.exception()
-
-
-def _answer(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    def settle() -> None:
-        if future.done():
-            return  # the waiter gave up (deadline, cancellation)
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-        future.get_loop().call_soon_threadsafe(settle)
-
-
-def translate(exc: BaseException) -> BaseException:
-    """librdkafka's exception as aiokafka's class for the same broker code, so one vocabulary
-    (:mod:`failures`, the fence) serves both clients."""
-    if not isinstance(exc, KafkaException) or not exc.args or not isinstance(exc.args[0], KafkaError):
-        return exc
-    return _as_aiokafka(exc.args[0])
-
-
-def _as_aiokafka(error: KafkaError, where: str = "") -> BaseException:
-    """``where``: the failed record's topic and partition, when a delivery report named them."""
-    code = error.code()
-    message = f"{where}: {error.str()}" if where else f"{error.name()}: {error.str()}"
-    translated: BaseException
-    if code in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH):
-        translated = ProducerFenced(message)
-    elif code == KafkaError._FATAL or error.fatal():
-        translated = FatalProducer(message)
-    elif code in _LOCAL_RECORD_CODES or code in _BROKER_RECORD_CODES:
-        translated = RecordRefused(message)
-    elif code > 0:  # the broker's code: aiokafka's class for it (MessageSizeTooLargeError, ...)
-        translated = for_code(code)(message)
-    else:
-        translated = TransactionError(message)
-    return translated
-
-
-def _named(message: Any) -> str:
-    """A failed record in words: its topic, partition (when assigned) and key."""
-    topic, partition = message.topic(), message.partition()
-    where = f"{topic} [{partition}]" if partition is not None and partition >= 0 else str(topic)
-    key = message.key()
-    if key is not None:
-        text = bytes(key[:64]).decode("utf-8", "replace")
-        where += f" key {text!r}{'...' if len(key) > 64 else ''}"
-    return where
 
 
 def group_metadata(group_id: str) -> object:
@@ -233,7 +118,7 @@ class TxnProducer:
         #: librdkafka is given ``timeout_s``; the pod waits this long at most.
         self.deadline_s = timeout_s + DEADLINE_GRACE_S
         self.transactional_id = transactional_id
-        self._worker = _Worker(f"sandbox-lanes-txn-{transactional_id}")
+        self._worker = Worker(f"sandbox-lanes-txn-{transactional_id}")
         #: A broker wait outlived its deadline, or an abort failed: nothing more is asked of it.
         self.abandoned = False
 
@@ -254,11 +139,11 @@ class TxnProducer:
                 else:
                     seen[0], seen[1], seen[2] = min(seen[0], offset), max(seen[1], offset), seen[2] + 1
             return
-        if error.code() in _PURGED_CODES:
+        if error.code() in PURGED_CODES:
             if self._purged is None:
-                self._purged = (error, _named(message))
+                self._purged = (error, named(message))
         elif self._failed is None:
-            self._failed = (error, _named(message))
+            self._failed = (error, named(message))
         else:
             self._failed_more += 1
 
@@ -284,7 +169,7 @@ class TxnProducer:
             return await asyncio.wait_for(asyncio.shield(future), self.deadline_s)
         except TimeoutError:
             self.abandoned = True
-            future.add_done_callback(_retrieve)  # its late answer is nobody's: not an unhandled error
+            future.add_done_callback(retrieve)  # its late answer is nobody's: not an unhandled error
             name = getattr(call, "__name__", "a call")
             raise BrokerWaitExpired(
                 f"{self.transactional_id}: {name} did not return within {self.deadline_s:g}s"
@@ -293,7 +178,7 @@ class TxnProducer:
             # The caller stopped waiting (a shutdown bound): the call may still be running in
             # the thread, so the producer is no longer in a known state.
             self.abandoned = True
-            future.add_done_callback(_retrieve)
+            future.add_done_callback(retrieve)
             raise
         except KafkaException as exc:
             refusal = self._first_failure()
@@ -387,12 +272,12 @@ class TxnProducer:
         None when no delivery has failed."""
         if self._failed is None:
             if purged_too and self._purged is not None:
-                return _as_aiokafka(*self._purged)
+                return as_aiokafka(*self._purged)
             return None
         error, named = self._failed
         if self._failed_more:
             named += f" (and {self._failed_more} more records that failed after it)"
-        return _as_aiokafka(error, named)
+        return as_aiokafka(error, named)
 
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
         """The input offsets into the transaction, then its commit (flushes every record first).
