@@ -26,7 +26,7 @@ from consumers.ops.reaper import partitions_of
 from consumers.runtime.kafka.codecs import require_codecs
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.kafka.topic_reader import read_to_end
-from consumers.runtime.kafka.topology import Topics
+from consumers.runtime.kafka.topology import Topics, TopologyError
 from consumers.tools.redrive_plan import (
     REDRIVEN_FROM,
     DeadLetter,
@@ -58,6 +58,12 @@ async def _read(
     what: str,
 ) -> list[tuple[TopicPartition, list[ConsumerRecord[bytes, bytes]]]]:
     found = await partitions_of(bootstrap, topics, security=security)
+    unseen = [t for t in topics if t not in found]
+    if unseen:  # never a plan made without them: no state read = no applied-since or removed check
+        raise TopologyError(
+            f"cannot read {', '.join(unseen)} ({what}): the topic is missing or this principal may not "
+            "describe it (redrive needs Read on the dead-letter, input and state topics)"
+        )
     tps = [TopicPartition(t, p) for t, ps in found.items() for p in ps]
     out: list[tuple[TopicPartition, list[ConsumerRecord[bytes, bytes]]]] = []
     read = 0

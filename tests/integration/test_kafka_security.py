@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.helpers import create_ssl_context
 
 from consumers.ops.settings import Settings, load_settings
 from consumers.runtime.kafka.topology import Topics
-from events.codec import OUTCOME_TYPES, decode, new_meta
+from events.codec import OUTCOME_TYPES, decode, header, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2, outcomes_pb2
 from tests.support.pod_harness import PodProcess, produce, unique_env, wf_created, wf_terminal
 from tests.support.proc_util import runner_pids
@@ -40,17 +40,20 @@ RUN = uuid.uuid4().hex[:8]
 DEFAULT_NAMES = Topics()
 
 
-def documented_acl_lines() -> list[list[str]]:
-    """docs/operations.md's ``kafka-acls`` lines for the pod, as argument lists after ``$A``."""
+def documented_acl_lines(variable: str = "A") -> list[list[str]]:
+    """docs/operations.md's ``kafka-acls`` lines of the first block defining ``$variable`` (``A``: the
+    pod's; ``R``: ``redrive``'s), as argument lists after ``$variable``."""
     text = (ROOT / "docs" / "operations.md").read_text()
-    block = text.split("### Kafka: TLS, SASL and the ACLs the pod needs", 1)[1].split("```sh", 1)[1]
-    block = block.split("```", 1)[0]
-    return [shlex.split(line[len("$A") :]) for line in block.splitlines() if line.startswith("$A ")]
+    section = text.split("### Kafka: TLS, SASL and the ACLs the pod needs", 1)[1].split("\n### ", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in section.split("```sh\n")[1:]]
+    block = next(b for b in blocks if b.startswith(f'{variable}="kafka-acls '))
+    prefix = f"${variable} "
+    return [shlex.split(line[len(prefix) :]) for line in block.splitlines() if line.startswith(prefix)]
 
 
-def pod_acls(principal: str, topics: Topics, group: str) -> list[list[str]]:
-    """The documented ACLs with this deployment's names for the default ones."""
-    names = {
+def deployment_names(topics: Topics) -> dict[str, str]:
+    """This deployment's topic names for the documented (default) ones."""
+    return {
         DEFAULT_NAMES.execution_created: topics.execution_created,
         DEFAULT_NAMES.phase_changed: topics.phase_changed,
         DEFAULT_NAMES.session_deleted: topics.session_deleted,
@@ -58,13 +61,25 @@ def pod_acls(principal: str, topics: Topics, group: str) -> list[list[str]]:
         DEFAULT_NAMES.state: topics.state,
         DEFAULT_NAMES.lane_config: topics.lane_config,
         DEFAULT_NAMES.dead_letter: topics.dead_letter,
-        "sandbox-lanes": group,
-        "sandbox-lanes-p": f"{group}-p",
     }
+
+
+def pod_acls(principal: str, topics: Topics, group: str) -> list[list[str]]:
+    """The documented ACLs with this deployment's names for the default ones."""
+    names = {**deployment_names(topics), "sandbox-lanes": group, "sandbox-lanes-p": f"{group}-p"}
     lines = []
     for args in documented_acl_lines():
         lines.append(["--add", "--allow-principal", principal, *(names.get(a, a) for a in args)])
     return lines
+
+
+def redrive_acls(principal: str, topics: Topics) -> list[list[str]]:
+    """``redrive``'s documented ACLs (the ``$R`` block) with this deployment's topic names."""
+    names = deployment_names(topics)
+    return [
+        ["--add", "--allow-principal", principal, *(names.get(a, a) for a in args)]
+        for args in documented_acl_lines("R")
+    ]
 
 
 def admin_auth(broker: Any) -> dict[str, Any]:
@@ -130,6 +145,31 @@ async def outcomes_as_admin(broker: Any, topic: str, at_least: int, timeout_s: f
     return out
 
 
+async def records_as_admin(
+    broker: Any, topic: str, at_least: int = 0, timeout_s: float = 60.0
+) -> list[ConsumerRecord[bytes, bytes]]:
+    """Every committed record of ``topic`` up to its end, once there are at least ``at_least``."""
+    consumer = AIOKafkaConsumer(
+        topic, group_id=None, auto_offset_reset="earliest", isolation_level="read_committed",
+        **admin_options(broker),
+    )  # fmt: skip
+    await consumer.start()
+    out: list[ConsumerRecord[bytes, bytes]] = []
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                tps = list(consumer.assignment())
+                ends = await consumer.end_offsets(tps) if tps else {}
+                while [tp for tp, end in ends.items() if await consumer.position(tp) < end]:
+                    for recs in (await consumer.getmany(timeout_ms=200)).values():
+                        out += recs
+                if tps and len(out) >= at_least:
+                    return out
+                await asyncio.sleep(0.2)  # not there yet: look again (the deadline decides)
+    finally:
+        await consumer.stop()
+
+
 def cli(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "consumers.tools.cli", *args],
@@ -142,11 +182,13 @@ def cli(env: dict[str, str], *args: str, timeout_s: float = 120) -> subprocess.C
     )
 
 
-async def pod_deployment(broker: Any, tmp_path: Path, user: str) -> tuple[str, dict[str, str], Settings]:
+async def pod_deployment(
+    broker: Any, tmp_path: Path, user: str, **overrides: str
+) -> tuple[str, dict[str, str], Settings]:
     """A SCRAM user of its own, the pod's settings for it, and its topics created by the admin."""
     password = secrets.token_urlsafe(18)
     broker.add_scram_user(user, password)
-    env = secured_env(broker, tmp_path, user, password)
+    env = secured_env(broker, tmp_path, user, password, **overrides)
     settings = load_settings(env)
     await create_topics(broker, settings.topics)
     return password, env, settings
@@ -231,6 +273,89 @@ async def test_a_missing_acl_is_an_authorization_error_naming_the_resource(
     log = pod.log()
     assert re.search(rf"TopicAuthorizationFailed\w*: {re.escape(topics.dead_letter)}\b", log), log[-3000:]
     assert code == 0
+
+
+async def test_redrive_runs_as_its_own_principal_with_exactly_the_documented_acls(
+    secured_kafka: Any, tmp_path: Path
+) -> None:
+    """``sandbox-lanes redrive --apply`` with only its own SCRAM user and the ``$R`` lines of
+    docs/operations.md: a phase change dead-lettered because its create came late is written back once
+    the create is applied, and the pod decides it once (provisioned once, torn down once); a second
+    ``--apply`` writes nothing. Without Write on the input it writes back to, it exits 2 naming it."""
+    started = time.monotonic()
+    user = f"sl-redrive-pod-{RUN}"
+    _, env, settings = await pod_deployment(secured_kafka, tmp_path, user, SANDBOX_PROVISIONER_TYPE="memory")
+    topics = settings.topics
+    redriver, redriver_password = f"sl-redrive-{RUN}", secrets.token_urlsafe(18)
+    secured_kafka.add_scram_user(redriver, redriver_password)
+    redrive_env = secured_env(secured_kafka, tmp_path, redriver, redriver_password)
+    redrive_env.update({k: v for k, v in env.items() if k.startswith("SANDBOX_LANES_TOPIC_")})
+    documented = redrive_acls(f"User:{redriver}", topics)
+    assert len(documented) == 2  # Read: dead letters and state; Read + Write: the inputs
+    for args in [*pod_acls(f"User:{user}", topics, settings.group_id), *documented]:
+        secured_kafka.kafka_acls(*args)
+    acls_s = time.monotonic() - started
+
+    wf = f"wfx_redrive_{RUN}"
+    terminal = inputs_pb2.PhaseChanged(
+        meta=new_meta(),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id=wf,
+        previous_phase=common_pb2.EXECUTION_IN_PROGRESS,
+        new_phase=common_pb2.EXECUTION_COMPLETED,
+    )
+    auth, bootstrap = admin_auth(secured_kafka), secured_kafka.sasl_ssl_bootstrap
+    write_back = (
+        "--allow-principal",
+        f"User:{redriver}",
+        "--operation",
+        "Write",
+        "--topic",
+        topics.phase_changed,
+    )
+    pod = PodProcess(env, tmp_path / "pod.log")
+    pod.start()
+    try:
+        await pod.wait_for_log("state restored")
+        await produce(bootstrap, env, terminal, options=auth)  # its create comes later
+        (dead,) = await records_as_admin(secured_kafka, topics.dead_letter, 1)
+        assert "phase-changed for unknown execution" in (header(dead.headers, "dlq_reason") or "")
+        await produce(bootstrap, env, wf_created(wf), options=auth)
+        await outcomes_as_admin(secured_kafka, topics.outcomes, 1)
+
+        secured_kafka.kafka_acls("--remove", "--force", *write_back)
+        refused = await asyncio.to_thread(cli, redrive_env, "redrive", "--apply")
+        secured_kafka.kafka_acls("--add", *write_back)  # the documented set again, exactly
+        applied = await asyncio.to_thread(cli, redrive_env, "redrive", "--apply")
+        await outcomes_as_admin(secured_kafka, topics.outcomes, 2)
+        again = await asyncio.to_thread(cli, redrive_env, "redrive", "--apply")
+    finally:
+        code, _ = await asyncio.to_thread(pod.terminate)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert re.search(
+        rf"TopicAuthorizationFailed\w*: .*\b{re.escape(topics.phase_changed)}\b", refused.stderr
+    ), refused.stderr[-2000:]
+    assert applied.returncode == 0, applied.stdout[-2000:] + applied.stderr[-2000:]
+    assert "1 re-driven, 0 left out, 0 parked; 1 written" in applied.stdout, applied.stdout[-2000:]
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "0 re-driven, 1 left out, 0 parked; 0 written" in again.stdout, again.stdout[-2000:]
+    assert "re-driven already" in again.stdout, again.stdout[-2000:]
+    assert code == 0, pod.log()[-3000:]
+    # Everything the pod wrote, read to the end after it stopped: one provision, one teardown.
+    outcomes = [
+        decode(r.key, r.value, r.headers, allowed=OUTCOME_TYPES)
+        for r in await records_as_admin(secured_kafka, topics.outcomes)
+    ]
+    assert [type(o) for o in outcomes] == [outcomes_pb2.SandboxProvisioned, outcomes_pb2.SandboxDeprovisioned]
+    # The input holds the original and one re-driven copy, naming its dead letter.
+    originals = await records_as_admin(secured_kafka, topics.phase_changed, 2)
+    assert [header(r.headers, "dlq_redriven_from") for r in originals] == [
+        None, f"{topics.dead_letter}/{dead.partition}/{dead.offset}",
+    ]  # fmt: skip
+    assert redriver_password not in applied.stdout + applied.stderr + refused.stderr
+    print(
+        f"\nredrive on the secured broker: ACLs applied in {acls_s:.1f} s, {time.monotonic() - started:.1f} s in all"
+    )
 
 
 async def test_a_read_acl_revoked_on_an_input_is_waited_out_not_an_exit(
