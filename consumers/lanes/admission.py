@@ -288,7 +288,7 @@ class Ledger:
         if isinstance(record, capacity_pb2.CapacityRequested):
             queued_for = self._request(record, offset, now, touched, answers)
         elif isinstance(record, capacity_pb2.CapacityReleased):
-            self._release(record, touched)
+            self._release(record, now, touched, answers)
         elif isinstance(record, capacity_pb2.CapacityTick):
             self._on_tick(record, now, touched, answers)
         else:
@@ -333,13 +333,33 @@ class Ledger:
         key = record.sandbox_key
         if key == TICK_KEY:
             return None  # never a sandbox name; nothing to count
+        # A wait is timed from when the request reached the log: its create's time, or the log's
+        # clock (the last tick) when that is later (a pod that lagged, a producer's clock behind).
+        if self._tick is not None and _ns(self._tick.meta.occurred_at) > _ns(now):
+            now = self._tick.meta.occurred_at
+        claim = self._claims.get(key)
+        if claim is not None and claim.admitted:
+            if any(
+                w.execution_id == record.execution_id or w.request_event_id == record.meta.event_id
+                for w in claim.waiters
+            ):
+                return None  # the same request again: answered already
+            # Another execution of a counted sandbox (a session's): admitted at once, not recorded
+            # (a session serves any number of executions; its claim must not grow with them).
+            joined = capacity_pb2.CapacityWaiter(
+                execution_id=record.execution_id,
+                partition=record.partition,
+                requested_at=now,
+                request_event_id=record.meta.event_id,
+            )
+            answers.append(self._admitted(claim, joined, now, record.meta.event_id))
+            return None
         waiter = capacity_pb2.CapacityWaiter(
             execution_id=record.execution_id,
             partition=record.partition,
             requested_at=now,
             request_event_id=record.meta.event_id,
         )
-        claim = self._claims.get(key)
         if claim is None:
             claim = capacity_pb2.CapacityClaim(
                 sandbox_key=key,
@@ -360,25 +380,55 @@ class Ledger:
             return None  # the same request again (or the same execution): already counted, answered
         touched[key] = None
         self._add_waiter(claim, waiter)
-        if claim.admitted:
-            answers.append(self._admitted(claim, claim.waiters[-1], now, record.meta.event_id))
-            return None
         return key, claim.waiters[-1]
 
-    def _release(self, record: capacity_pb2.CapacityReleased, touched: dict[str, None]) -> None:
+    def _release(
+        self,
+        record: capacity_pb2.CapacityReleased,
+        now: Timestamp,
+        touched: dict[str, None],
+        answers: list[Answer],
+    ) -> None:
+        """Empty ``execution_id``: the sandbox no longer counts; whoever still waited for it (a
+        session deleted while its creates waited) is answered, so no execution waits for ever. Set:
+        that execution stops waiting for it (an admitted claim counts on until its own release:
+        the sandbox may serve others, and counting it too long is safe where too short is not)."""
         key = record.sandbox_key
         claim = self._claims.get(key)
         if claim is None:
             return
         if not record.execution_id:
+            if not claim.admitted:
+                why = f"capacity: its sandbox was released while it waited ({record.reason or 'released'})"
+                for waiter in claim.waiters:
+                    answers.append(
+                        Answer(
+                            waiter.partition,
+                            capacity_pb2.CapacityTimedOut(
+                                meta=self._meta(
+                                    waiter.request_event_id,
+                                    "CapacityTimedOut",
+                                    key,
+                                    now,
+                                    record.meta.event_id,
+                                ),
+                                execution_id=waiter.execution_id,
+                                sandbox_key=key,
+                                reason=why,
+                                waited_s=_waited_s(now, waiter.requested_at),
+                            ),
+                        )
+                    )
             self._remove(key)
             touched[key] = None
+            return
+        if claim.admitted:
             return
         for i, w in enumerate(claim.waiters):
             if w.execution_id == record.execution_id:
                 self._remove_waiter(claim, i)
                 touched[key] = None
-                if not claim.waiters:  # nobody waits for it or is served by it: it counts for no one
+                if not claim.waiters:  # nobody waits for it any more
                     self._remove(key)
                 return
 

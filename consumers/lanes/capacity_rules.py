@@ -27,9 +27,10 @@ from consumers.lanes.commands import (
     LaneConfig,
 )
 from consumers.lanes.constants import TERMINAL_WORKFLOW_PHASES
+from consumers.lanes.outbox import command_of
 from drivers.contract import SandboxScope
 from drivers.naming import sandbox_base_name
-from events.codec import CapacityRecord, DecidedEvent, derived_event_id
+from events.codec import CapacityAnswer, CapacityRecord, DecidedEvent, derived_event_id
 from events.sandbox_lanes.v1 import capacity_pb2, common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 
 #: The phases after which an execution no longer wants a sandbox (both lanes).
@@ -109,6 +110,7 @@ def hold_ensures(decision: Decision, config: LaneConfig) -> Decision:
             scope=SCOPE_ENUM[command.scope],  # type: ignore[arg-type]
         )
         _meta(request.meta, event.meta.event_id, "CapacityRequested", key, at, config)
+        wait.request_event_id = request.meta.event_id
         records.append(request)
     return decision._replace(commands=tuple(kept), capacity=(*decision.capacity, *records))
 
@@ -127,14 +129,11 @@ def stop_waiting(decision: Decision, config: LaneConfig) -> Decision:
     wait.waiting = False
     wait.released = True
     phase = common_pb2.ExecutionPhase.Name(state.phase)
-    release = released(
-        event.meta.event_id,
-        _occurred(event),
-        key,
-        state.execution_id,
-        f"reached {phase} while waiting",
-        config,
-    )
+    # A workflow's sandbox serves it alone: the whole place goes (an admission already on its way
+    # would otherwise count for no one); a session's may serve others: only this wait goes.
+    holder = "" if state.kind == common_pb2.WORKFLOW_EXECUTION else state.execution_id
+    reason = f"reached {phase} while waiting"
+    release = released(event.meta.event_id, _occurred(event), key, holder, reason, config)
     commands = tuple(
         c
         for c in decision.commands
@@ -158,15 +157,37 @@ def released_by_fold(
     if isinstance(command, Deprovision):
         if not result.ok:
             return ()
+        if any(
+            e.op == state_pb2.EFFECT_OP_ENSURE and sandbox_key(command_of(e).scope, e.sandbox_id) == key
+            for e in state.pending
+        ):
+            return ()  # a recover's ensure of the same sandbox is out: it goes on counting for it
         if state.capacity.sandbox_key == key:
             state.capacity.released = True
         return (released(causation_id, at, key, "", "torn down", config),)
-    if result.ok:
-        return ()
+    if result.ok or _may_still_run(state, command):
+        return ()  # running, or it may be (made before, its teardown failed): it counts on
     if state.capacity.sandbox_key == key:
         state.capacity.released = True
     holder = "" if command.scope == "workflow" else state.execution_id
     return (released(causation_id, at, key, holder, "its provisioning failed", config),)
+
+
+def _may_still_run(state: state_pb2.ExecutionState, command: Command) -> bool:
+    """The state records this sandbox made (provisioned, or a teardown that failed)."""
+    scope = SCOPE_ENUM[command.scope]
+    return any(
+        s.sandbox.scope == scope
+        and s.sandbox.sandbox_id == command.sandbox_id
+        and s.lifecycle in (state_pb2.SANDBOX_PROVISIONED, state_pb2.SANDBOX_TEARDOWN_FAILED)
+        for s in state.sandboxes
+    )
+
+
+def answers_this_wait(answer: CapacityAnswer, wait: state_pb2.CapacityWait) -> bool:
+    """The answer is the ledger's to this execution's current request (its id derives from it)."""
+    kind = answer.DESCRIPTOR.name
+    return answer.meta.event_id == derived_event_id(wait.request_event_id, kind, wait.sandbox_key)
 
 
 def queued_outcome(
@@ -188,6 +209,7 @@ def queued_outcome(
 
 __all__ = [
     "TERMINAL_PHASES",
+    "answers_this_wait",
     "hold_ensures",
     "queued_outcome",
     "released",

@@ -351,20 +351,9 @@ def _decide_capacity_answer(
     wait = current.capacity
     key = answer.sandbox_key
     at = answer.meta.occurred_at if answer.meta.HasField("occurred_at") else None
-    if not wait.waiting or wait.sandbox_key != key:
-        if isinstance(answer, capacity_pb2.CapacityAdmitted):
-            # It stopped waiting (its release crossed the admission in the log): the place the
-            # ledger gave it is handed back, so nothing counts for nobody.
-            state = _applied(current, answer.execution_id, answer)
-            release = capacity_rules.released(
-                answer.meta.event_id,
-                at,
-                key,
-                answer.execution_id,
-                "admitted after it stopped waiting",
-                config,
-            )
-            return Decision(answer, state, capacity=(release,))
+    if not wait.waiting or wait.sandbox_key != key or not capacity_rules.answers_this_wait(answer, wait):
+        # Not an answer to the wait it is in: it stopped waiting (its release, written then, freed
+        # the place in the log), or an answer to an earlier request crossed a newer one.
         return Decision(answer, None)
     state = _applied(current, answer.execution_id, answer)
     lane = _lane_again(current.created_event, answer.meta, state, stored, config)

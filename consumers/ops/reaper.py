@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from consumers.lanes.capacity_rules import released
+from consumers.lanes.capacity_rules import released, sandbox_key
 from consumers.lanes.commands import LaneConfig
 from consumers.lanes.reap import ReapPlan, plan_reap, reaped_event
 from consumers.ops import reaper_states
@@ -238,17 +238,20 @@ class Reaper:
         result.removed = True
         event = reaped_event(result.plan, self.lane, time.time())
         result.event_id = event.meta.event_id
+        if self.topics.capacity_on:
+            # A cap on: the sandbox no longer counts. Written before the outcome: a pass that ends
+            # between the two finds it gone next time and writes neither (docs/guarantees.md "Capacity").
+            at = event.meta.occurred_at if event.meta.HasField("occurred_at") else None
+            why = f"reaped: {result.plan.reason}"
+            key = sandbox_key(sb.scope, sb.sandbox_id)
+            out = encode(released(event.meta.event_id, at, key, "", why, self.lane), source=self.lane.source)
+            await producer.send_and_wait(
+                self.topics.capacity, out.value, key=out.key, headers=out.headers, partition=0
+            )
         record = encode(event, source=self.lane.source)
         await producer.send_and_wait(
             self.topics.outcomes, record.value, key=record.key, headers=record.headers
         )
-        if self.topics.capacity_on:  # a cap on: the sandbox no longer counts (docs/guarantees.md "Capacity")
-            at = event.meta.occurred_at if event.meta.HasField("occurred_at") else None
-            freed = released(event.meta.event_id, at, sb.name, "", f"reaped: {result.plan.reason}", self.lane)
-            out = encode(freed, source=self.lane.source)
-            await producer.send_and_wait(
-                self.topics.capacity, out.value, key=out.key, headers=out.headers, partition=0
-            )
         if self.metrics is not None:
             self.metrics.reaped.labels(self.provisioner.driver_name).inc()
         logger.info(

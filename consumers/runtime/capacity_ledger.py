@@ -28,7 +28,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from consumers.lanes.admission import Caps, Ledger, decide
+from consumers.lanes.admission import TICK_KEY, Caps, Ledger, decide
 from consumers.runtime.capacity_metrics import CapacityMetrics
 from consumers.runtime.failure_policy import Fault, classify
 from consumers.runtime.kafka.clients import RebalanceHooks, txn_producer_config
@@ -60,8 +60,13 @@ def encode_claim(key: str, claim: capacity_pb2.CapacityClaim | None) -> EncodedR
 async def restore_ledger(
     cfg: PodConfig, caps: Caps, *, read: Callable[..., Any] = read_to_end
 ) -> tuple[Ledger, int]:
-    """The ledger as its changelog holds it (read to its end), and how many records were read."""
-    ledger = Ledger(caps)
+    """The ledger as its changelog holds it (read to its end), and how many records were read.
+
+    The caps before the log's first tick are that tick's (as replay decides them): a changelog with
+    no tick yet (nothing decided, or a first owner that failed before its tick was decided) takes
+    its defaults from the log's first tick, and only a log with none yet from ``caps`` (this
+    owner's, whose tick comes next)."""
+    changes: dict[str, capacity_pb2.CapacityClaim | None] = {}
     count = 0
     tp = TopicPartition(cfg.topics.capacity_ledger, 0)
     async for _tp, records in read(cfg.bootstrap, [tp], security=cfg.security):
@@ -69,12 +74,34 @@ async def restore_ledger(
             count += 1
             key = rec.key.decode() if rec.key is not None else ""
             if rec.value is None:
-                ledger.apply(key, None)
+                changes[key] = None
                 continue
             claim = capacity_pb2.CapacityClaim()
             claim.ParseFromString(rec.value)
-            ledger.apply(key, claim)
+            changes[key] = claim
+    ticked = changes.get(TICK_KEY)
+    if ticked is None or not ticked.HasField("tick"):
+        first = await first_tick(cfg, read=read)
+        if first is not None:
+            caps = Caps.of_tick(first)
+    ledger = Ledger(caps)
+    for key, value in changes.items():
+        ledger.apply(key, value)
     return ledger, count
+
+
+async def first_tick(
+    cfg: PodConfig, *, read: Callable[..., Any] = read_to_end
+) -> capacity_pb2.CapacityTick | None:
+    """The capacity log's first tick, if it has one (read from its beginning until found)."""
+    tp = TopicPartition(cfg.topics.capacity, 0)
+    async for _tp, records in read(cfg.bootstrap, [tp], security=cfg.security):
+        for rec in records:
+            with contextlib.suppress(DecodeError):
+                record = decode_capacity(rec.key, rec.value, rec.headers)
+                if isinstance(record, capacity_pb2.CapacityTick):
+                    return record
+    return None
 
 
 class CapacityLedgerTask:
@@ -143,6 +170,8 @@ class CapacityLedgerTask:
         self._next_offset = committed
         if committed is not None:
             consumer.seek(self._tp, committed)
+        else:  # nothing committed yet: from the log's first record (a failed first turn read on)
+            await consumer.seek_to_beginning(self._tp)
         logger.info(
             "capacity ledger taken over",
             extra={
@@ -153,6 +182,7 @@ class CapacityLedgerTask:
             },
         )
         await self._tick(force=True)
+        self._episode.recovered()
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -179,15 +209,18 @@ class CapacityLedgerTask:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    if classify(exc) is Fault.FENCED:  # another pod owns the log now: stand down
-                        logger.warning(
-                            "capacity ledger fenced: another pod owns it", extra={"error": repr(exc)}
-                        )
+                    if not self._assigned:  # revoked meanwhile (its producer closed under it): no failure
+                        logger.debug("capacity ledger turn ended by a revoke", extra={"error": repr(exc)})
+                        self._drop()
+                    elif classify(exc) is Fault.FENCED:
+                        # Another pod owns the log now: stand down until the group gives it back
+                        # (taking it over again at once would fence that pod in turn).
+                        fenced = {"error": repr(exc)}
+                        logger.warning("capacity ledger fenced: another pod owns it", extra=fenced)
+                        self._assigned = False
                         self._drop()
                     else:  # the world's (or a refused write): restored from the changelog, read again
                         await self._failed(exc)
-                else:
-                    self._episode.recovered()
         finally:
             self._drop()
             with contextlib.suppress(Exception):
@@ -252,6 +285,7 @@ class CapacityLedgerTask:
                 self._count(answer.message)
         await producer.commit({self._tp: last + 1})
         self._next_offset = last + 1
+        self._episode.recovered()  # a committed transaction: the backoff starts over
 
     async def _tick(self, *, force: bool = False) -> None:
         """The owner's clock into the log, while anything waits (or on take-over)."""

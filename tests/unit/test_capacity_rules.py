@@ -14,7 +14,7 @@ from consumers.lanes.constants import SANDBOX_PROVISIONING_FAILED_PREFIX, WORKFL
 from consumers.lanes.outbox import pending_of
 from consumers.lanes.rules import complete_effect, decide
 from drivers.naming import sandbox_base_name
-from events.codec import new_meta
+from events.codec import derived_event_id, new_meta
 from events.sandbox_lanes.v1 import capacity_pb2, common_pb2, inputs_pb2, outcomes_pb2, state_pb2
 from tests.support.lane_fakes import EXECUTION_ROUTING_CONFIG, SESSION_ROUTING_CLOUD_DEFAULT
 
@@ -63,15 +63,36 @@ def wf_phase(new: int, at: float = 5) -> inputs_pb2.PhaseChanged:
     )
 
 
-def admitted(key: str = WF_KEY, execution_id: str = WF, at: float = 3) -> capacity_pb2.CapacityAdmitted:
-    return capacity_pb2.CapacityAdmitted(
-        meta=new_meta(occurred_at=_at(at)), execution_id=execution_id, sandbox_key=key, waited_s=at
+def _answer_id(to: state_pb2.ExecutionState | None, kind: str) -> str:
+    """The ledger's answer id to the wait ``to`` is in (derived from its request's id)."""
+    wait = (
+        to.capacity if to is not None else state_pb2.CapacityWait(request_event_id="none", sandbox_key=WF_KEY)
+    )
+    return derived_event_id(wait.request_event_id, kind, wait.sandbox_key)
+
+
+def agent_phase(new: int, at: float = 5) -> inputs_pb2.PhaseChanged:
+    return inputs_pb2.PhaseChanged(
+        meta=new_meta(occurred_at=_at(at)),
+        kind=common_pb2.AGENT_EXECUTION,
+        execution_id="axr_cap",
+        session_id="ses_cap",
+        new_phase=new,  # type: ignore[arg-type]
     )
 
 
-def queued(position: int = 4, key: str = WF_KEY, execution_id: str = WF) -> capacity_pb2.CapacityQueued:
+def admitted(
+    to: state_pb2.ExecutionState | None, key: str = WF_KEY, execution_id: str = WF, at: float = 3
+) -> capacity_pb2.CapacityAdmitted:
+    meta = new_meta(event_id=_answer_id(to, "CapacityAdmitted"), occurred_at=_at(at))
+    return capacity_pb2.CapacityAdmitted(meta=meta, execution_id=execution_id, sandbox_key=key, waited_s=at)
+
+
+def queued(
+    to: state_pb2.ExecutionState | None, position: int = 4, key: str = WF_KEY, execution_id: str = WF
+) -> capacity_pb2.CapacityQueued:
     return capacity_pb2.CapacityQueued(
-        meta=new_meta(occurred_at=_at(1)),
+        meta=new_meta(event_id=_answer_id(to, "CapacityQueued"), occurred_at=_at(1)),
         execution_id=execution_id,
         sandbox_key=key,
         reason="capacity: installation cap 20 reached",
@@ -79,12 +100,17 @@ def queued(position: int = 4, key: str = WF_KEY, execution_id: str = WF) -> capa
     )
 
 
-def timed_out(key: str = WF_KEY, execution_id: str = WF) -> capacity_pb2.CapacityTimedOut:
+TIMED_OUT_REASON = "capacity: waited 600 s for a sandbox (installation cap 20 reached)"
+
+
+def timed_out(
+    to: state_pb2.ExecutionState | None, key: str = WF_KEY, execution_id: str = WF
+) -> capacity_pb2.CapacityTimedOut:
     return capacity_pb2.CapacityTimedOut(
-        meta=new_meta(occurred_at=_at(600)),
+        meta=new_meta(event_id=_answer_id(to, "CapacityTimedOut"), occurred_at=_at(600)),
         execution_id=execution_id,
         sandbox_key=key,
-        reason="capacity: waited 600 s for a sandbox (installation cap 20 reached)",
+        reason=TIMED_OUT_REASON,
         waited_s=600,
     )
 
@@ -142,7 +168,8 @@ def test_with_a_cap_a_create_asks_the_ledger_instead_of_ensuring() -> None:
 
 
 def test_a_queued_answer_tells_upstream_it_waits_with_the_reason_and_the_position() -> None:
-    decision = _decide(_waiting_workflow(), queued(position=7))
+    waiting = _waiting_workflow()
+    decision = _decide(waiting, queued(waiting, position=7))
     (out,) = decision.outputs
     assert isinstance(out, outcomes_pb2.SandboxQueued)
     assert (out.execution_id, out.position) == (WF, 7)
@@ -154,7 +181,8 @@ def test_a_queued_answer_tells_upstream_it_waits_with_the_reason_and_the_positio
 
 
 def test_an_admission_ensures_the_sandbox_through_the_lane_and_its_teardown_releases_it() -> None:
-    decision = _decide(_waiting_workflow(), admitted())
+    waiting = _waiting_workflow()
+    decision = _decide(waiting, admitted(waiting))
     (ensure,) = decision.commands
     assert isinstance(ensure, Ensure) and ensure.critical and ensure.sandbox_id == WF
     state = decision.state
@@ -175,7 +203,8 @@ def test_an_admission_ensures_the_sandbox_through_the_lane_and_its_teardown_rele
 
 
 def test_a_failed_teardown_keeps_the_sandbox_counted() -> None:
-    state = _decide(_waiting_workflow(), admitted()).state
+    waiting = _waiting_workflow()
+    state = _decide(waiting, admitted(waiting)).state
     assert state is not None
     state = complete_effect(state, state.pending[0].effect_id, CommandResult(ok=True), ON).state
     done = _decide(state, wf_phase(common_pb2.EXECUTION_COMPLETED))
@@ -186,7 +215,8 @@ def test_a_failed_teardown_keeps_the_sandbox_counted() -> None:
 
 
 def test_a_time_out_is_the_workflow_lanes_critical_failure_with_a_capacity_reason() -> None:
-    decision = _decide(_waiting_workflow(), timed_out())
+    waiting = _waiting_workflow()
+    decision = _decide(waiting, timed_out(waiting))
     (failed,) = decision.outputs
     assert isinstance(failed, outcomes_pb2.SandboxFailed)
     assert failed.critical and failed.code == common_pb2.STATUS_CODE_UNAVAILABLE
@@ -202,26 +232,70 @@ def test_a_time_out_is_the_workflow_lanes_critical_failure_with_a_capacity_reaso
 def test_a_time_out_on_the_session_lane_is_non_critical_and_pre_stamps_the_status() -> None:
     first = _decide(None, agent_created())
     assert first.state is not None and first.capacity
-    decision = _decide(first.state, timed_out(SESSION_KEY, "axr_cap"))
+    decision = _decide(first.state, timed_out(first.state, SESSION_KEY, "axr_cap"))
     (failed,) = decision.outputs
     assert isinstance(failed, outcomes_pb2.SandboxFailed) and not failed.critical
     assert decision.state is not None
-    assert decision.state.status_error == SANDBOX_PROVISIONING_FAILED_PREFIX + timed_out().reason
+    assert decision.state.status_error == SANDBOX_PROVISIONING_FAILED_PREFIX + TIMED_OUT_REASON
     assert decision.state.phase == common_pb2.EXECUTION_PENDING  # the phase is never touched
 
 
 def test_a_terminal_phase_while_waiting_leaves_the_queue_without_a_sandbox() -> None:
-    decision = _decide(_waiting_workflow(), wf_phase(common_pb2.EXECUTION_CANCELLED))
+    waiting = _waiting_workflow()
+    decision = _decide(waiting, wf_phase(common_pb2.EXECUTION_CANCELLED))
     assert decision.commands == ()  # no teardown of a sandbox that never was
     (release,) = decision.capacity
     assert isinstance(release, capacity_pb2.CapacityReleased)
-    assert (release.sandbox_key, release.execution_id) == (WF_KEY, WF)
+    # A workflow's sandbox is its alone: the whole place goes (an admission on its way included).
+    assert (release.sandbox_key, release.execution_id) == (WF_KEY, "")
     assert decision.state is not None and not decision.state.capacity.waiting
-    # The ledger's admission crossing that release in the log is handed back, not used.
-    late = _decide(decision.state, admitted())
-    assert late.commands == ()
-    (back,) = late.capacity
-    assert isinstance(back, capacity_pb2.CapacityReleased) and back.execution_id == WF
+    # The ledger's admission crossing that release in the log changes nothing.
+    assert _decide(decision.state, admitted(waiting)).state is None
+
+
+def test_an_admission_to_an_earlier_request_is_not_taken_for_a_newer_one() -> None:
+    """The review's race: admitted (on its way), FAILED while waiting (released), recovered (a new
+    request): the old admission must not start the ensure of the new wait."""
+    waiting = _waiting_workflow()
+    stale = admitted(waiting)
+    failed = _decide(waiting, wf_phase(common_pb2.EXECUTION_FAILED, at=2)).state
+    recovered = _decide(failed, wf_phase(common_pb2.EXECUTION_IN_PROGRESS, at=3))
+    assert recovered.state is not None and recovered.state.capacity.waiting
+    (again,) = recovered.capacity
+    assert isinstance(again, capacity_pb2.CapacityRequested)
+    assert _decide(recovered.state, stale).state is None
+    fresh = _decide(recovered.state, admitted(recovered.state))
+    assert [type(c) for c in fresh.commands] == [Ensure]
+
+
+def test_a_recover_while_the_failed_teardown_is_out_keeps_the_sandbox_counted() -> None:
+    waiting = _waiting_workflow()
+    state = _decide(waiting, admitted(waiting)).state
+    assert state is not None
+    state = complete_effect(state, state.pending[0].effect_id, CommandResult(ok=True), ON).state
+    failed = _decide(state, wf_phase(common_pb2.EXECUTION_FAILED, at=5))
+    assert [type(c) for c in failed.commands] == [Deprovision]
+    recover = _decide(failed.state, wf_phase(common_pb2.EXECUTION_IN_PROGRESS, at=6))
+    assert recover.capacity == ()  # admitted and not released: the ensure goes through
+    assert recover.state is not None
+    teardown_id = next(e.effect_id for e in recover.state.pending if e.op == state_pb2.EFFECT_OP_DEPROVISION)
+    folded = complete_effect(recover.state, teardown_id, CommandResult(ok=True), ON)
+    assert folded.capacity == ()  # the recover's ensure of the same sandbox is out: no release
+
+
+def test_a_failed_re_ensure_of_a_sandbox_made_before_frees_nothing() -> None:
+    first = _decide(None, agent_created()).state
+    state = _decide(first, admitted(first, SESSION_KEY, "axr_cap")).state
+    assert state is not None
+    state = complete_effect(state, state.pending[0].effect_id, CommandResult(ok=True), ON).state
+    assert state is not None
+    failed = _decide(state, agent_phase(common_pb2.EXECUTION_FAILED, at=5)).state
+    recover = _decide(failed, agent_phase(common_pb2.EXECUTION_IN_PROGRESS, at=6))
+    assert recover.state is not None and recover.state.pending
+    folded = complete_effect(
+        recover.state, recover.state.pending[0].effect_id, CommandResult(ok=False, error="boom"), ON
+    )
+    assert folded.capacity == ()  # the session's sandbox was made: it may still run, it counts on
 
 
 def test_a_sessions_second_execution_asks_for_the_same_sandbox_key() -> None:
@@ -231,20 +305,24 @@ def test_a_sessions_second_execution_asks_for_the_same_sandbox_key() -> None:
         r.sandbox_key for r in (*one.capacity, *two.capacity) if isinstance(r, capacity_pb2.CapacityRequested)
     }
     assert keys == {SESSION_KEY}  # one sandbox, counted once by the ledger
-    state = _decide(one.state, admitted(SESSION_KEY, "axr_1")).state
+    state = _decide(one.state, admitted(one.state, SESSION_KEY, "axr_1")).state
     assert state is not None
     (entry,) = state.pending
     assert entry.op == state_pb2.EFFECT_OP_ENSURE and not entry.critical
 
 
 def test_an_answer_nobody_asked_for_changes_nothing() -> None:
-    assert _decide(None, admitted()).state is None
-    done = _decide(_waiting_workflow(), admitted()).state
-    assert _decide(done, queued()).state is None  # admitted already: a stale queue notice is ignored
+    waiting = _waiting_workflow()
+    assert _decide(None, admitted(waiting)).state is None
+    done = _decide(waiting, admitted(waiting)).state
+    assert _decide(done, queued(waiting)).state is None  # admitted already: a stale queue notice is ignored
+    # An answer whose id does not derive from the wait's request (another request's) is ignored.
+    assert _decide(waiting, admitted(None)).state is None
 
 
 def test_a_session_ensure_failure_releases_only_its_execution() -> None:
-    state = _decide(_decide(None, agent_created()).state, admitted(SESSION_KEY, "axr_cap")).state
+    first = _decide(None, agent_created()).state
+    state = _decide(first, admitted(first, SESSION_KEY, "axr_cap")).state
     assert state is not None
     folded = complete_effect(state, state.pending[0].effect_id, CommandResult(ok=False, error="boom"), ON)
     (release,) = folded.capacity

@@ -306,6 +306,7 @@ class CapacityWait(_message.Message):
     POSITION_FIELD_NUMBER: _builtins.int
     REQUESTED_AT_FIELD_NUMBER: _builtins.int
     RELEASED_FIELD_NUMBER: _builtins.int
+    REQUEST_EVENT_ID_FIELD_NUMBER: _builtins.int
     sandbox_key: _builtins.str
     waiting: _builtins.bool
     """Requested and not yet answered admitted / timed out."""
@@ -315,6 +316,10 @@ class CapacityWait(_message.Message):
     position: _builtins.int
     released: _builtins.bool
     """The release has been written (the sandbox no longer counts for this execution)."""
+    request_event_id: _builtins.str
+    """The request's event id: only the answers to it are taken (an answer to an earlier request of
+    the same execution, crossing its release and a new request in the log, is ignored).
+    """
     @_builtins.property
     def requested_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -327,10 +332,11 @@ class CapacityWait(_message.Message):
         position: _builtins.int = ...,
         requested_at: _timestamp_pb2.Timestamp | None = ...,
         released: _builtins.bool = ...,
+        request_event_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["requested_at", b"requested_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "position", b"position", "reason", b"reason", "released", b"released", "requested_at", b"requested_at", "sandbox_key", b"sandbox_key", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "position", b"position", "reason", b"reason", "released", b"released", "request_event_id", b"request_event_id", "requested_at", b"requested_at", "sandbox_key", b"sandbox_key", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
