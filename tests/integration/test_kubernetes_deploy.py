@@ -36,6 +36,7 @@ from kubernetes import client
 from prometheus_client import CollectorRegistry
 
 from consumers.ops.settings import load_settings
+from consumers.runtime.capacity_metrics import CapacityMetrics
 from consumers.runtime.metrics import PodMetrics
 from drivers.agent_sandbox.manifests import GROUP, PLURAL, VERSION
 from drivers.agent_sandbox.warm import ANNOTATION_ASSIGNED, CLAIMS, EXT_GROUP, EXT_VERSION
@@ -423,6 +424,7 @@ def test_the_metrics_components_render_one_scrape_path_and_alerts_on_real_metric
 
     registry = CollectorRegistry()
     PodMetrics(registry)
+    CapacityMetrics(registry)  # the capacity ledger's, registered beside them when a cap is set
     families = list(registry.collect())
     served = {f.name for f in families} | {f"{f.name}_total" for f in families if f.type == "counter"}
     rules = monitored[("PrometheusRule", "sandbox-lanes")]["spec"]["groups"][0]["rules"]
@@ -431,6 +433,7 @@ def test_the_metrics_components_render_one_scrape_path_and_alerts_on_real_metric
         "SandboxLanesCommitFailures",
         "SandboxLanesDeadLetters",
         "SandboxLanesLeakedSandboxes",
+        "SandboxLanesCapacityFull",
     }
     for rule in rules:
         names = set(re.findall(r"\bsandbox_lanes_[a-z_]+", rule["expr"]))

@@ -186,15 +186,17 @@ async def test_quota_refusals_are_waited_out_and_every_execution_runs(
     assert provisioned == Counter(dict.fromkeys(ids, 1)), provisioned  # each provisioned once
     assert deprovisioned == Counter(dict.fromkeys(ids, 1)), deprovisioned  # ... and torn down once
     assert samples.running >= set(ids), sorted(set(ids) - samples.running)  # every runner pod ran
-    # The engine's own accounting, and what it held, never above the quota ...
-    assert samples.max_used <= limit
+    # What the engine held, never above the quota ...
     if resource == "pods":
         assert samples.max_live_pods <= limit
     else:
         assert samples.max_deployments <= limit
     # ... and the quota was what held the creates back: it was reached, and creates were refused and
     # waited out (not all of the ones over it need be: one decided after a teardown may find room).
-    assert samples.max_used == limit and waits >= 1 and timeouts == 0
+    # The quota's published `status.used` is the quota controller's recount, which can run one over
+    # while a deleted pod is still being counted (11 of 10 once in CI, with at most 10 pods live in
+    # the same samples): a figure, not the verdict.
+    assert samples.max_used >= limit and waits >= 1 and timeouts == 0
     await wait_for("every runner pod to go", lambda: not core.list_namespaced_pod(ns).items, timeout=90)
     assert apps.list_namespaced_deployment(ns).items == []
 
