@@ -151,7 +151,9 @@ async def test_two_pods_never_hold_more_sandboxes_than_the_cap_and_every_create_
     rules = [step["rule"] for step in story["steps"]]
     assert rules[:3] == ["workflow lane", "capacity: waits", "capacity: admitted"], rules
     text = render_text(story)
-    assert f"capacity: installation cap {CAP} reached" in text and "waits for capacity" in text, text
+    assert (
+        f"capacity: installation cap {CAP} reached" in text and "its place among the creates waiting" in text
+    ), text
 
 
 def _on_partition(prefix: str, partition: int, partitions: int, n: int) -> list[str]:
