@@ -400,25 +400,7 @@ class Ledger:
         if not record.execution_id:
             if not claim.admitted:
                 why = f"capacity: its sandbox was released while it waited ({record.reason or 'released'})"
-                for waiter in claim.waiters:
-                    answers.append(
-                        Answer(
-                            waiter.partition,
-                            capacity_pb2.CapacityTimedOut(
-                                meta=self._meta(
-                                    waiter.request_event_id,
-                                    "CapacityTimedOut",
-                                    key,
-                                    now,
-                                    record.meta.event_id,
-                                ),
-                                execution_id=waiter.execution_id,
-                                sandbox_key=key,
-                                reason=why,
-                                waited_s=_waited_s(now, waiter.requested_at),
-                            ),
-                        )
-                    )
+                answers.extend(self._timed_out(key, w, now, record.meta.event_id, why) for w in claim.waiters)
             self._remove(key)
             touched[key] = None
             return
@@ -462,20 +444,7 @@ class Ledger:
             waited = _waited_s(now, waiter.requested_at)
             binding = self._binding_cap(claim.org)
             reason = f"capacity: waited {waited:.0f} s for a sandbox" + (f" ({binding})" if binding else "")
-            answers.append(
-                Answer(
-                    waiter.partition,
-                    capacity_pb2.CapacityTimedOut(
-                        meta=self._meta(
-                            waiter.request_event_id, "CapacityTimedOut", key, now, record.meta.event_id
-                        ),
-                        execution_id=execution_id,
-                        sandbox_key=key,
-                        reason=reason,
-                        waited_s=waited,
-                    ),
-                )
-            )
+            answers.append(self._timed_out(key, waiter, now, record.meta.event_id, reason))
             self._live_waiters -= 1  # already popped: _remove_waiter's bookkeeping minus the heap
             del claim.waiters[i]
             touched[key] = None
@@ -539,6 +508,20 @@ class Ledger:
                 meta=self._meta(waiter.request_event_id, "CapacityAdmitted", key, now, cause),
                 execution_id=waiter.execution_id,
                 sandbox_key=key,
+                waited_s=_waited_s(now, waiter.requested_at),
+            ),
+        )
+
+    def _timed_out(
+        self, key: str, waiter: capacity_pb2.CapacityWaiter, now: Timestamp, cause: str, reason: str
+    ) -> Answer:
+        return Answer(
+            waiter.partition,
+            capacity_pb2.CapacityTimedOut(
+                meta=self._meta(waiter.request_event_id, "CapacityTimedOut", key, now, cause),
+                execution_id=waiter.execution_id,
+                sandbox_key=key,
+                reason=reason,
                 waited_s=_waited_s(now, waiter.requested_at),
             ),
         )
