@@ -23,10 +23,10 @@ logger = logging.getLogger("sandbox_lanes.bench")
 
 FIGURES = (
     "ceiling", "pod", "latency", "peers", "rules", "restore", "drivers", "burst", "retention",
-    "peers_latency", "slow_driver",
+    "peers_latency", "slow_driver", "scale", "soak",
 )  # fmt: skip
 #: Not in the default set (``--only`` them): minutes each, and measured for what they show, not per change.
-OPT_IN = ("burst", "retention", "peers_latency", "slow_driver")
+OPT_IN = ("burst", "retention", "peers_latency", "slow_driver", "scale", "soak")
 GOALS = {
     "pod_ratio": 0.5,
     "restore_1m_seconds": 60.0,

@@ -149,6 +149,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--retention-seconds", type=int, default=2, help="SANDBOX_LANES_STATE_RETENTION_S of the short run"
     )
+    from sandbox_lanes_bench import scale, soak
+
+    scale.add_arguments(parser)
+    soak.add_arguments(parser)
     parser.add_argument("--docker-host", help="use this engine (unix://...) instead of a private dockerd")
     parser.add_argument("--docker-image", default="", help="image on --docker-host (default: busybox tag)")
     parser.add_argument(
@@ -233,6 +237,14 @@ async def _main(args: argparse.Namespace, bootstrap: str | None, only: set[str])
             from sandbox_lanes_bench.retention import measure_retention
 
             await timed("retention", lambda: measure_retention(args, bootstrap, show))
+        if "scale" in only:
+            from sandbox_lanes_bench.scale import measure_scale
+
+            await timed("scale", lambda: measure_scale(args, bootstrap, show))
+    if "soak" in only:  # its own three-node cluster: it bounces brokers
+        from sandbox_lanes_bench.soak import measure_soak
+
+        await timed("soak", lambda: measure_soak(args, show))
     if "drivers" in only:
         await timed("drivers", lambda: measure_drivers(args, show))
     return {"figures": figures, "seconds": timings}
@@ -263,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
             "retention",
             "peers_latency",
             "slow_driver",
+            "scale",
         }
     )
     # SIGTERM takes Ctrl-C's path: the running figure is cancelled and everything it started (its
@@ -378,6 +391,14 @@ def _argv_of(args: argparse.Namespace) -> list[str]:
             f"--latency-floor-seconds {args.latency_floor_seconds:g} --latency-prime {args.latency_prime}"
             + (f" --latency-rates {rates}" if rates else f" --peer-events {args.peer_events}")
         )
+    if "scale" in args.only:
+        from sandbox_lanes_bench.scale import argv_of as scale_argv
+
+        out.extend(scale_argv(args))
+    if "soak" in args.only:
+        from sandbox_lanes_bench.soak import argv_of as soak_argv
+
+        out.extend(soak_argv(args))
     if "slow_driver" in args.only:
         low, high = args.slow_latency_ms
         out.append(
