@@ -15,6 +15,7 @@ holds: per-sample lists as box plots, and where a row has only percentiles, its 
   load, p50 / p95 / p99, the median of the runs with their min-max.
 * ``peers.svg`` — figures 8 and 10 side by side: events/s of the pod and its peers, and their p50 / p99
   at half their own rate and one event at a time.
+* ``scale.svg`` and ``soak.svg`` — drawn by their figures' own modules (``scale.draw``, ``soak.draw``).
 * ``retention.svg`` — figure 9: keys held and the pod's RSS over time, with retention and kept (each
   run's ``samples``); a document from before the samples gets the per-wave values.
 
@@ -123,6 +124,8 @@ def render(doc: Mapping[str, Any], directory: Path) -> list[Path]:
         "latency": _latency,
         "peers": _peers,
         "retention": _retention,
+        "scale": _scale,
+        "soak": _soak,
     }
     written: list[Path] = []
     with matplotlib.rc_context(
@@ -136,6 +139,20 @@ def render(doc: Mapping[str, Any], directory: Path) -> list[Path]:
             fig.savefig(path, format="svg", metadata={"Date": None}, bbox_inches="tight")
             written.append(path)
     return written
+
+
+def _scale(doc: Mapping[str, Any]) -> Figure | None:
+    from sandbox_lanes_bench.scale import draw
+
+    fig = _figure(doc, "scale")
+    return None if fig is None else draw(fig, doc)
+
+
+def _soak(doc: Mapping[str, Any]) -> Figure | None:
+    from sandbox_lanes_bench.soak import draw
+
+    fig = _figure(doc, "soak")
+    return None if fig is None else draw(fig, doc)
 
 
 def _new_figure(width: float, height: float) -> Figure:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
@@ -135,6 +136,17 @@ def render_table(doc: dict[str, Any]) -> str:
             from sandbox_lanes_bench.retention import report_rows as retention_rows
 
             rows.extend(retention_rows(retention))
+    extra: list[str] = []
+    for name in ("scale", "soak"):
+        fig = figs.get(name)
+        if fig is None:
+            continue
+        if "error" in fig:
+            err(name, fig)
+            continue
+        module = importlib.import_module(f"sandbox_lanes_bench.{name}")
+        rows.extend(module.report_rows(fig))
+        extra += module.extra_lines(fig)
     m = doc["meta"]["machine"]
     lines = [
         f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux {m['kernel']}, "
@@ -149,6 +161,8 @@ def render_table(doc: dict[str, Any]) -> str:
         from sandbox_lanes_bench.retention import wave_table
 
         lines += ["", *wave_table(retention)]
+    if extra:
+        lines += ["", *extra]
     return "\n".join(lines)
 
 
