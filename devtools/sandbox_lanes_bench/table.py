@@ -144,9 +144,9 @@ def render_table(doc: dict[str, Any]) -> str:
         if "error" in fig:
             err(name, fig)
             continue
-        module = importlib.import_module(f"sandbox_lanes_bench.{name}")
-        rows.extend(module.report_rows(fig))
-        extra += module.extra_lines(fig)
+        figure_module = importlib.import_module(f"sandbox_lanes_bench.{name}")
+        rows.extend(figure_module.report_rows(fig))
+        extra += figure_module.extra_lines(fig)
     m = doc["meta"]["machine"]
     lines = [
         f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, Linux {m['kernel']}, "
