@@ -1,37 +1,746 @@
-"""Figure ``soak``: (being written)."""
+"""Figure ``soak`` (``--only soak --minutes N``): is the pod's cost flat in how long it has run?
+
+A real pod (exactly_once, RocksDB store, the harness's memory driver) in a child process of its own, on a
+three-node KRaft cluster of its own (``harness.kafka_broker.KafkaCluster``: topics replicated three ways,
+``min.insync.replicas`` 2), fed a steady stream of workflow executions that end: each one's create, its
+IN_PROGRESS half its lifetime later, its COMPLETED at the end of it, ``--soak-rate`` executions a second.
+The state retention is scaled down (``--soak-retention-s``) and the state topic's time constants with it
+(``retention.BENCH_STATE_OVERRIDES``), so states are removed and compacted away all through the run. Every
+``--soak-bounce-every-s`` one node goes down for ``--soak-bounce-down-s`` and comes back, the nodes in turn,
+a controlled shutdown (SIGTERM) and a crash (SIGKILL) alternately.
+
+Sampled every second:
+
+* by the pod's child, of itself: RSS (``VmRSS``), threads, open file descriptors, asyncio tasks, states held
+  (the store's count), how late the sampler's one-second sleep woke (the loop's lag), the pod's outcome
+  counters, dead letters and failed commits;
+* by the bench: executions created, provisioned and torn down (read from the outcomes topic,
+  read_committed), the pod's consumer lag on its inputs (end offsets minus the group's committed offsets;
+  empty while the cluster cannot answer), and each outcome's latency from the event that caused it
+  (create → ``SandboxProvisioned``, COMPLETED → ``SandboxDeprovisioned``, one clock: the bench's).
+
+Both write their rows to JSON-lines files in ``--soak-dir`` as they go (a run stopped half-way keeps what it
+had). The figure: after the warm-up (the first retention period plus a lifetime and a minute), each
+resource's least-squares slope per hour with its 95 % interval, next to the spread of its samples, and
+the first and last quarters' medians; latency p50/p99/max per window of the run; every execution
+provisioned once and torn down once (lost and duplicate outcomes counted). Nothing is asserted here:
+the figures are printed, drawn (``draw``) and kept in the run's JSON.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import heapq
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from consumers.ops.progress import progress
+from sandbox_lanes_bench.common import pct, read_status
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+MIB = 1024 * 1024
+PARTITIONS = 3
+#: What the pod's child samples of itself, in its rows' order (after ``t_s``).
+POD_COLUMNS = (
+    "rss_mib",
+    "threads",
+    "fds",
+    "tasks",
+    "states",
+    "loop_lag_ms",
+    "provisioned",
+    "deprovisioned",
+    "failed",
+    "dead_lettered",
+    "commit_failures",
+)
+#: What the bench samples, in its rows' order (after ``t_s``).
+BENCH_COLUMNS = ("created", "provisioned_seen", "deprovisioned_seen", "lag")
+#: The resources whose slope after the warm-up is the figure: flat, or growing with the time run.
+FLAT = ("rss_mib", "threads", "fds", "tasks", "states")
+#: Latency windows of the run: its post-warm-up time cut into this many.
+WINDOWS = 6
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """This figure's options on ``sandbox-lanes bench``."""
+    group = parser.add_argument_group("soak (--only soak)")
+    group.add_argument("--minutes", type=float, default=120.0, help="how long the soak's stream runs")
+    group.add_argument("--soak-rate", type=float, default=10.0, help="executions created per second")
+    group.add_argument("--soak-lifetime-s", type=float, default=4.0, help="create to COMPLETED, seconds")
+    group.add_argument(
+        "--soak-retention-s", type=int, default=60, help="SANDBOX_LANES_STATE_RETENTION_S of the soak's pod"
+    )
+    group.add_argument("--soak-bounce-every-s", type=float, default=240.0, help="a broker bounce this often")
+    group.add_argument(
+        "--soak-bounce-down-s", type=float, default=15.0, help="how long a bounced node is down"
+    )
+    group.add_argument(
+        "--soak-store", choices=("rocksdb", "memory"), default="rocksdb", help="the soak pod's state store"
+    )
+    group.add_argument(
+        "--soak-dir",
+        default=None,
+        help="where the sample rows are written as they come (default: a temp dir)",
+    )
 
 
 def argv_of(args: argparse.Namespace) -> list[str]:
     """This figure's options as the run's recorded command line."""
-    return []
+    return [
+        f"--minutes {args.minutes:g} --soak-rate {args.soak_rate:g} "
+        f"--soak-lifetime-s {args.soak_lifetime_s:g} --soak-retention-s {args.soak_retention_s} "
+        f"--soak-bounce-every-s {args.soak_bounce_every_s:g} "
+        f"--soak-bounce-down-s {args.soak_bounce_down_s:g} --soak-store {args.soak_store}"
+    ]
+
+
+# --- the pod's child process --------------------------------------------------------------------
+
+
+def _pod_child(spec: dict[str, Any], conn: Any) -> None:
+    """Child process: the pod, sampling itself every second into ``spec['samples']`` until told to stop."""
+    try:
+        from consumers.ops.logs import setup_logging
+
+        setup_logging("warning")
+        asyncio.run(_pod_run(spec, conn))
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()
+
+
+def _threads() -> int:
+    """The process's threads, native ones included (librdkafka's, RocksDB's): /proc's count."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _outputs(pod: Any, kind: str) -> int:
+    return sum(n for name, n in pod.stats.outputs.items() if name.endswith("." + kind))
+
+
+async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
+    from sandbox_lanes_bench.common import memory_provisioner, running_pod
+
+    provisioner = memory_provisioner(ensure_latency_ms=spec["ensure_latency_ms"])
+    async with running_pod(spec["env"], provisioner=provisioner) as pod:
+        conn.send({"ready": True, "pid": os.getpid()})
+        began = time.perf_counter()
+        with Path(spec["samples"]).open("a") as out:
+            due = time.perf_counter()
+            while not conn.poll():
+                due += 1.0
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                now = time.perf_counter()
+                # the harness driver keeps every call for the tests: not the pod's memory
+                provisioner.calls.clear()
+                row = [
+                    round(now - began, 3),
+                    round(read_status("VmRSS") / MIB, 2),
+                    _threads(),
+                    len(os.listdir("/proc/self/fd")),
+                    len(asyncio.all_tasks()),
+                    len(pod.states),
+                    round(max(0.0, now - due) * 1000.0, 2),
+                    _outputs(pod, "SandboxProvisioned"),
+                    _outputs(pod, "SandboxDeprovisioned"),
+                    _outputs(pod, "SandboxFailed") + _outputs(pod, "SandboxTeardownFailed"),
+                    pod.stats.dead_lettered,
+                    pod.stats.commit_failures,
+                ]
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                if now - due > 5.0:  # the loop was held: sample from now on, not to catch up
+                    due = now
+
+
+# --- the bench's side: load, outcomes, lag, bounces ---------------------------------------------
+
+
+def _phase(execution_id: str, event_id: str, previous: int, new: int) -> Any:
+    from events.codec import new_meta
+    from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
+
+    return inputs_pb2.PhaseChanged(
+        meta=new_meta(event_id=event_id, source="bench"),
+        kind=common_pb2.WORKFLOW_EXECUTION,
+        execution_id=execution_id,
+        previous_phase=previous,  # type: ignore[arg-type]
+        new_phase=new,  # type: ignore[arg-type]
+    )
+
+
+class _Run:
+    """The bench's book of one soak: what was sent when, what came back when."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.created = 0
+        #: event id of a create / a COMPLETED -> when the bench sent it (perf_counter)
+        self.sent_at: dict[str, float] = {}
+        self.provisioned: set[str] = set()
+        self.deprovisioned: set[str] = set()
+        self.duplicates = 0
+        self.unexpected = 0
+        self.send_retries = 0
+        #: (t_s since the start, ms) per outcome
+        self.provision_ms: list[tuple[float, float]] = []
+        self.teardown_ms: list[tuple[float, float]] = []
+
+
+async def _load(
+    run: _Run, producer: Any, topics: Any, rate: float, lifetime: float, began: float, stop: asyncio.Event
+) -> None:
+    """Creates at ``rate`` a second from ``began``; each one's IN_PROGRESS and COMPLETED after it."""
+    from events.codec import encode
+    from events.sandbox_lanes.v1 import common_pb2
+    from sandbox_lanes_bench.common import created_event
+
+    later: list[
+        tuple[float, int, str, Any, str, bool]
+    ] = []  # a heap: (due, seq, topic, message, id, tracked)
+    pending: set[asyncio.Task[None]] = set()
+
+    async def send(topic: str, message: Any, event_id: str, tracked: bool) -> None:
+        rec = encode(message, source="bench")
+        while True:  # the cluster may be bouncing: a send that failed is sent again (same event id)
+            try:
+                if tracked:
+                    run.sent_at[event_id] = time.perf_counter()
+                await (await producer.send(topic, rec.value, key=rec.key, headers=rec.headers))
+                return
+            except Exception:
+                run.send_retries += 1
+                await asyncio.sleep(0.5)
+
+    def spawn(topic: str, message: Any, event_id: str, tracked: bool) -> None:
+        task = asyncio.create_task(send(topic, message, event_id, tracked))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    while not stop.is_set():
+        now = time.perf_counter()
+        while run.created < int((now - began) * rate):
+            eid = f"{run.tag}-{run.created:08d}"
+            run.created += 1
+            spawn(topics.execution_created, created_event(eid, f"{eid}-c"), f"{eid}-c", True)
+            running = _phase(eid, f"{eid}-r", common_pb2.EXECUTION_PENDING, common_pb2.EXECUTION_IN_PROGRESS)
+            done = _phase(eid, f"{eid}-t", common_pb2.EXECUTION_IN_PROGRESS, common_pb2.EXECUTION_COMPLETED)
+            heapq.heappush(
+                later, (now + lifetime / 2, 2 * run.created, topics.phase_changed, running, f"{eid}-r", False)
+            )
+            heapq.heappush(
+                later, (now + lifetime, 2 * run.created + 1, topics.phase_changed, done, f"{eid}-t", True)
+            )
+        while later and later[0][0] <= now:
+            _, _, topic, message, event_id, tracked = heapq.heappop(later)
+            spawn(topic, message, event_id, tracked)
+        await asyncio.sleep(0.02)
+    # the stream's tail: every execution created is also ended, in due order
+    while later:
+        _, _, topic, message, event_id, tracked = heapq.heappop(later)
+        spawn(topic, message, event_id, tracked)
+    if pending:
+        await asyncio.gather(*pending)
+
+
+async def _collect(run: _Run, bootstrap: str, outcomes: str, began: float) -> None:
+    """Every outcome of the run (read_committed), matched to the event that caused it."""
+    from aiokafka import AIOKafkaConsumer
+
+    from events.codec import OUTCOME_TYPES, decode
+
+    consumer = AIOKafkaConsumer(
+        outcomes,
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=100,
+    )
+    await consumer.start()
+    try:
+        while True:
+            batch = await consumer.getmany(timeout_ms=200)
+            now = time.perf_counter()
+            for records in batch.values():
+                for rec in records:
+                    message = decode(rec.key, rec.value, rec.headers, allowed=OUTCOME_TYPES)
+                    kind = type(message).__name__
+                    cause: str = message.meta.causation_id  # type: ignore[attr-defined]
+                    if kind == "SandboxProvisioned":
+                        seen, series = run.provisioned, run.provision_ms
+                    elif kind == "SandboxDeprovisioned":
+                        seen, series = run.deprovisioned, run.teardown_ms
+                    else:
+                        run.unexpected += 1
+                        continue
+                    if cause in seen:
+                        run.duplicates += 1
+                        continue
+                    seen.add(cause)
+                    at = run.sent_at.pop(cause, None)
+                    if at is not None:
+                        series.append((round(now - began, 3), round((now - at) * 1000.0, 2)))
+    finally:
+        with contextlib.suppress(Exception):
+            await consumer.stop()
+
+
+class _Lag:
+    """The pod group's lag on its inputs: end offsets minus committed offsets, or None while the cluster
+    does not answer within the sample's time (clients kept for the run: they reconnect on their own)."""
+
+    def __init__(self, bootstrap: str, group: str, inputs: Sequence[str]) -> None:
+        from aiokafka import AIOKafkaConsumer, TopicPartition
+        from aiokafka.admin import AIOKafkaAdminClient
+
+        self.group = group
+        self.tps = [TopicPartition(t, p) for t in inputs for p in range(PARTITIONS)]
+        self.admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=3000)
+        self.consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, request_timeout_ms=3000)
+
+    async def start(self) -> None:
+        await asyncio.gather(self.admin.start(), self.consumer.start())
+
+    async def read(self) -> int | None:
+        try:
+            committed, ends = await asyncio.wait_for(
+                asyncio.gather(
+                    self.admin.list_consumer_group_offsets(self.group, partitions=self.tps),
+                    self.consumer.end_offsets(self.tps),
+                ),
+                0.8,
+            )
+        except Exception:
+            return None
+        lag = 0
+        for tp in self.tps:
+            at = committed.get(tp)
+            lag += max(0, int(ends[tp]) - (at.offset if at is not None and at.offset >= 0 else 0))
+        return lag
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.admin.close()
+        with contextlib.suppress(Exception):
+            await self.consumer.stop()
+
+
+async def _bounces(
+    cluster: Any, every_s: float, down_s: float, began: float, stop: asyncio.Event, log: list[dict[str, Any]]
+) -> None:
+    """One node down and back every ``every_s``, in turn; SIGTERM and SIGKILL alternately."""
+    n = 0
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+        if stop.is_set():
+            return
+        index = n % len(cluster.nodes)
+        how = "SIGTERM" if n % 2 == 0 else "SIGKILL"
+        down = time.perf_counter() - began
+        if how == "SIGTERM":
+            await asyncio.to_thread(cluster.stop_node, index)
+        else:
+            await asyncio.to_thread(cluster.kill, index)
+        await asyncio.sleep(down_s)
+        await asyncio.to_thread(cluster.start_node, index)
+        up = time.perf_counter() - began
+        isr_s = await asyncio.to_thread(cluster.wait_isr_full, 300.0, confirm=False)
+        log.append(
+            {
+                "node": index,
+                "how": how,
+                "down_t_s": round(down, 1),
+                "up_t_s": round(up, 1),
+                "isr_full_after_s": round(isr_s, 1),
+            }
+        )
+        n += 1
 
 
 async def measure_soak(args: argparse.Namespace, show: bool) -> dict[str, Any]:
-    raise NotImplementedError("soak")
+    from harness.kafka_broker import KafkaCluster
+
+    cluster = KafkaCluster(3)
+    await asyncio.to_thread(cluster.start)
+    try:
+        return await _soak(args, cluster, show)
+    finally:
+        await asyncio.to_thread(cluster.stop)
+
+
+async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str, Any]:
+    from aiokafka import AIOKafkaProducer
+
+    from consumers.ops.settings import load_settings
+    from consumers.runtime.kafka.topology import ensure_topics
+    from sandbox_lanes_bench.common import kafka_admin, lane_env
+    from sandbox_lanes_bench.retention import state_topic_config
+
+    bootstrap = cluster.bootstrap
+    tag = f"soak-{uuid.uuid4().hex[:6]}"
+    directory = Path(args.soak_dir) if args.soak_dir else Path(tempfile.mkdtemp(prefix="bench-soak-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    state_dir = directory / "state"
+    env = {
+        **lane_env(bootstrap, tag, PARTITIONS, "exactly_once"),
+        "SANDBOX_LANES_STATE_RETENTION_S": str(args.soak_retention_s),
+        "SANDBOX_LANES_STATE_STORE": args.soak_store,
+        "SANDBOX_LANES_STATE_DIR": str(state_dir),
+        "SANDBOX_LANES_REPLICATION": "-1",
+    }
+    topics = load_settings(env).topics
+    async with kafka_admin(bootstrap) as admin:
+        from aiokafka.admin import NewTopic
+
+        await admin.create_topics(
+            [
+                NewTopic(
+                    topics.state,
+                    num_partitions=PARTITIONS,
+                    replication_factor=3,
+                    topic_configs=state_topic_config(),
+                )
+            ]
+        )
+        for attempt in range(40):
+            try:
+                await ensure_topics(admin, topics, PARTITIONS)
+                break
+            except Exception:
+                if attempt == 39:
+                    raise
+                await asyncio.sleep(0.25)
+    pod_samples = directory / "pod.jsonl"
+    bench_samples = directory / "bench.jsonl"
+    spec = {"env": env, "samples": str(pod_samples), "ensure_latency_ms": 5.0}
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_pod_child, args=(spec, child))
+    proc.start()
+    child.close()
+    loop = asyncio.get_running_loop()
+    from sandbox_lanes_bench.common import recv
+
+    first = await loop.run_in_executor(None, recv, parent, 180.0)
+    if "error" in first:
+        raise RuntimeError(f"the soak's pod did not start: {first['error']}")
+    run = _Run(tag)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        acks="all",
+        enable_idempotence=True,
+        linger_ms=5,
+        request_timeout_ms=30_000,
+    )
+    await producer.start()
+    duration = args.minutes * 60.0
+    began = time.perf_counter()
+    stop_load, stop_bounces = asyncio.Event(), asyncio.Event()
+    bounces: list[dict[str, Any]] = []
+    collector = asyncio.create_task(_collect(run, bootstrap, topics.outcomes, began))
+    load = asyncio.create_task(
+        _load(run, producer, topics, args.soak_rate, args.soak_lifetime_s, began, stop_load)
+    )
+    bouncer = asyncio.create_task(
+        _bounces(cluster, args.soak_bounce_every_s, args.soak_bounce_down_s, began, stop_bounces, bounces)
+    )
+    group = env["SANDBOX_LANES_GROUP_ID"]
+    inputs = (topics.execution_created, topics.phase_changed)
+    drained_s: float | None = None
+    lags = _Lag(bootstrap, group, inputs)
+    await lags.start()
+    try:
+        with (
+            bench_samples.open("a") as out,
+            progress(f"soak: {args.minutes:g} min", int(duration), enabled=show) as bar,
+        ):
+            due, done_s = began, 0
+            while True:
+                due += 1.0
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                t = time.perf_counter() - began
+                for task in (collector, load, bouncer):
+                    if task.done() and task.exception() is not None:
+                        raise RuntimeError(f"soak: {task.get_name()} failed: {task.exception()!r}")
+                if not proc.is_alive():
+                    raise RuntimeError(f"soak: the pod's process ended (exit {proc.exitcode})")
+                lag = await lags.read()
+                row = [round(t, 3), run.created, len(run.provisioned), len(run.deprovisioned), lag]
+                out.write(json.dumps(row) + "\n")
+                out.flush()
+                if t < duration:
+                    bar.advance(int(t) - done_s)
+                    done_s = int(t)
+                elif not stop_load.is_set():
+                    stop_load.set()
+                    stop_bounces.set()
+                if stop_load.is_set() and load.done() and len(run.deprovisioned) >= run.created:
+                    drained_s = t - duration
+                    break
+                if t > duration + 180.0:  # what is missing by now is counted as lost
+                    break
+                if time.perf_counter() - due > 5.0:
+                    due = time.perf_counter()
+    finally:
+        stop_load.set()
+        stop_bounces.set()
+        with contextlib.suppress(Exception):
+            parent.send("stop")
+        await loop.run_in_executor(None, proc.join, 90)
+        if proc.is_alive():
+            proc.kill()
+        parent.close()
+        for task in (collector, load, bouncer):
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        with contextlib.suppress(Exception):
+            await producer.stop()
+        await lags.close()
+    pod_rows = [json.loads(line) for line in pod_samples.read_text().splitlines() if line.strip()]
+    bench_rows = [json.loads(line) for line in bench_samples.read_text().splitlines() if line.strip()]
+    return summarise(
+        {
+            "minutes": args.minutes,
+            "rate_per_s": args.soak_rate,
+            "lifetime_s": args.soak_lifetime_s,
+            "retention_s": args.soak_retention_s,
+            "bounce_every_s": args.soak_bounce_every_s,
+            "bounce_down_s": args.soak_bounce_down_s,
+            "store": args.soak_store,
+            "directory": str(directory),
+            "executions": run.created,
+            "provisioned": len(run.provisioned),
+            "deprovisioned": len(run.deprovisioned),
+            "lost": run.created - min(len(run.provisioned), len(run.deprovisioned)),
+            "duplicates": run.duplicates,
+            "unexpected_outcomes": run.unexpected,
+            "send_retries": run.send_retries,
+            "drained_after_s": None if drained_s is None else round(drained_s, 1),
+            "bounces": bounces,
+            "pod_samples": {"columns": ["t_s", *POD_COLUMNS], "rows": pod_rows},
+            "bench_samples": {"columns": ["t_s", *BENCH_COLUMNS], "rows": bench_rows},
+            "provision_ms": run.provision_ms,
+            "teardown_ms": run.teardown_ms,
+        }
+    )
+
+
+# --- the figures from the samples (pure: the JSON in, the figures out) -----------------------------
+
+
+def warmup_s(fig: dict[str, Any]) -> float:
+    """When the run is in its steady state: states are removed as fast as they are made from then on."""
+    return float(fig["retention_s"]) + float(fig["lifetime_s"]) + 60.0
+
+
+def slope(points: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """Least-squares slope (per hour) of (t_s, value) points, its 95 % half-interval (normal, no
+    autocorrelation correction: a lower bound on the noise), and the residuals' spread."""
+    n = len(points)
+    if n < 3:
+        return {"per_hour": 0.0, "ci95_per_hour": math.inf, "residual_sd": 0.0, "n": n}
+    ts = [t / 3600.0 for t, _ in points]
+    ys = [float(y) for _, y in points]
+    mt, my = statistics.fmean(ts), statistics.fmean(ys)
+    sxx = sum((t - mt) ** 2 for t in ts)
+    b = sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / sxx if sxx else 0.0
+    a = my - b * mt
+    residuals = [y - (a + b * t) for t, y in zip(ts, ys, strict=True)]
+    sd = math.sqrt(sum(r * r for r in residuals) / (n - 2))
+    se = sd / math.sqrt(sxx) if sxx else math.inf
+    return {"per_hour": b, "ci95_per_hour": 1.96 * se, "residual_sd": sd, "n": n}
+
+
+def summarise(fig: dict[str, Any]) -> dict[str, Any]:
+    """The soak's figures from its samples: each resource's trend after the warm-up, latency per window."""
+    columns = fig["pod_samples"]["columns"]
+    rows = fig["pod_samples"]["rows"]
+    start = warmup_s(fig)
+    end = float(fig["minutes"]) * 60.0
+    steady = [r for r in rows if start <= r[0] <= end]
+    trends: dict[str, Any] = {}
+    for name in FLAT:
+        i = columns.index(name)
+        points = [(r[0], float(r[i])) for r in steady]
+        values = [v for _, v in points]
+        trend = slope(points)
+        if values:
+            quarter = max(1, len(values) // 4)
+            trend.update(
+                {
+                    "median": statistics.median(values),
+                    "min": min(values),
+                    "max": max(values),
+                    "first_quarter_median": statistics.median(values[:quarter]),
+                    "last_quarter_median": statistics.median(values[-quarter:]),
+                }
+            )
+            span_h = (points[-1][0] - points[0][0]) / 3600.0
+            trend["change_over_steady"] = trend["per_hour"] * span_h
+        trends[name] = trend
+    fig["steady_from_s"] = start
+    fig["trends"] = trends
+    fig["latency_windows"] = _windows(fig, start, end)
+    steady_ms = [ms for t, ms in fig["provision_ms"] if start <= t <= end]
+    fig["provision_p50_ms"] = pct(steady_ms, 50)
+    fig["provision_p99_ms"] = pct(steady_ms, 99)
+    lag_i = fig["bench_samples"]["columns"].index("lag")
+    lags = [r[lag_i] for r in fig["bench_samples"]["rows"] if r[lag_i] is not None and start <= r[0] <= end]
+    fig["lag_max"] = max(lags) if lags else None
+    fig["lag_median"] = statistics.median(lags) if lags else None
+    return fig
+
+
+def _windows(fig: dict[str, Any], start: float, end: float) -> list[dict[str, Any]]:
+    if end <= start:
+        return []
+    width = (end - start) / WINDOWS
+    out = []
+    for k in range(WINDOWS):
+        lo, hi = start + k * width, start + (k + 1) * width
+        prov = [ms for t, ms in fig["provision_ms"] if lo <= t < hi]
+        down = [ms for t, ms in fig["teardown_ms"] if lo <= t < hi]
+        out.append(
+            {
+                "from_s": round(lo, 1),
+                "to_s": round(hi, 1),
+                "outcomes": len(prov) + len(down),
+                "provision_p50_ms": pct(prov, 50),
+                "provision_p99_ms": pct(prov, 99),
+                "provision_max_ms": max(prov) if prov else 0.0,
+                "teardown_p99_ms": pct(down, 99),
+            }
+        )
+    return out
+
+
+# --- the table and the chart ----------------------------------------------------------------------
+
+_UNITS = {"rss_mib": "MiB", "threads": "threads", "fds": "fds", "tasks": "tasks", "states": "states"}
 
 
 def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """This figure's rows of the run's table: (figure, median, min-max, goal)."""
-    return []
+    rows = [
+        (
+            f"soak {fig['minutes']:g} min: executions lost / duplicate outcomes",
+            f"{fig['lost']} / {fig['duplicates']}",
+            f"of {fig['executions']:,}",
+            "0 / 0",
+        )
+    ]
+    for name in FLAT:
+        t = fig["trends"].get(name) or {}
+        if "median" not in t:
+            continue
+        rows.append(
+            (
+                f"soak: {name} slope after warm-up, {_UNITS[name]}/h (±95 %)",
+                f"{t['per_hour']:+.3g} ± {t['ci95_per_hour']:.2g}",
+                f"{t['min']:g}-{t['max']:g} (median {t['median']:g})",
+                "flat",
+            )
+        )
+    rows.append(
+        (
+            "soak: create → provisioned p50 / p99, ms",
+            f"{fig['provision_p50_ms']:.1f} / {fig['provision_p99_ms']:.1f}",
+            f"{len(fig['bounces'])} bounces",
+            "steady",
+        )
+    )
+    return rows
 
 
 def extra_lines(fig: dict[str, Any]) -> list[str]:
-    """Markdown printed under the run's table (a table of its own), or nothing."""
-    return []
+    """The latency per window of the run, under the table."""
+    lines = [
+        "| soak window, min | outcomes | provision p50 ms | p99 ms | max ms | teardown p99 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for w in fig.get("latency_windows", []):
+        lines.append(
+            f"| {w['from_s'] / 60:.1f}-{w['to_s'] / 60:.1f} | {w['outcomes']:,} | "
+            f"{w['provision_p50_ms']:.1f} | {w['provision_p99_ms']:.1f} | {w['provision_max_ms']:.0f} | "
+            f"{w['teardown_p99_ms']:.1f} |"
+        )
+    return lines
 
 
 def draw(fig: dict[str, Any], doc: Any) -> Figure | None:
-    """This figure's chart (``<name>.svg``), or None when the figure has nothing to draw."""
-    return None
+    """``soak.svg``: each sampled resource over the run's minutes, the bounces shaded, the warm-up marked."""
+    from matplotlib.figure import Figure
+
+    rows = fig["pod_samples"]["rows"]
+    if not rows:
+        return None
+    columns = fig["pod_samples"]["columns"]
+    t = [r[0] / 60.0 for r in rows]
+    panels = [
+        ("RSS, MiB", ["rss_mib"]),
+        ("threads, descriptors", ["threads", "fds"]),
+        ("asyncio tasks", ["tasks"]),
+        ("states held", ["states"]),
+    ]
+    chart = Figure(figsize=(8.0, 10.0), layout="constrained")
+    axes = chart.subplots(len(panels) + 2, 1, sharex=True)
+    for ax, (title, names) in zip(axes, panels, strict=False):
+        for name in names:
+            i = columns.index(name)
+            ax.plot(t, [r[i] for r in rows], linewidth=0.8, label=name)
+        ax.set_ylabel(title)
+        if len(names) > 1:
+            ax.legend(loc="upper left", fontsize=7)
+    bench_cols = fig["bench_samples"]["columns"]
+    lag_i = bench_cols.index("lag")
+    brows = [r for r in fig["bench_samples"]["rows"] if r[lag_i] is not None]
+    axes[-2].plot([r[0] / 60.0 for r in brows], [r[lag_i] for r in brows], linewidth=0.8, color="#8250df")
+    axes[-2].set_ylabel("consumer lag, records")
+    per_minute: dict[int, list[float]] = {}
+    for ts, ms in fig["provision_ms"]:
+        per_minute.setdefault(int(ts // 60), []).append(ms)
+    minutes = sorted(per_minute)
+    axes[-1].plot(
+        [m + 0.5 for m in minutes], [pct(per_minute[m], 50) for m in minutes], color="#1f6feb", label="p50"
+    )
+    axes[-1].plot(
+        [m + 0.5 for m in minutes], [pct(per_minute[m], 99) for m in minutes], color="#cf222e", label="p99"
+    )
+    axes[-1].set_yscale("log")
+    axes[-1].set_ylabel("create → provisioned, ms")
+    axes[-1].legend(loc="upper left", fontsize=7)
+    axes[-1].set_xlabel("minutes into the run")
+    for ax in axes:
+        ax.axvline(fig["steady_from_s"] / 60.0, color="#57606a", linestyle=":", linewidth=0.8)
+        for b in fig["bounces"]:
+            ax.axvspan(b["down_t_s"] / 60.0, b["up_t_s"] / 60.0, color="#d0d7de", alpha=0.6, linewidth=0)
+    chart.suptitle(
+        f"soak: {fig['executions']:,} executions at {fig['rate_per_s']:g}/s over {fig['minutes']:g} min, "
+        f"{len(fig['bounces'])} broker bounces (shaded), retention {fig['retention_s']} s "
+        "(dotted: steady from)",
+        fontsize=9,
+    )
+    return chart

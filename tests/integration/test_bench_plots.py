@@ -155,8 +155,30 @@ def _document() -> dict[str, Any]:
                 "retention_s": 2,
                 "runs": {"retention": retention_run(2, [0, 0, 0]), "kept": retention_run(0, [4, 8, 12])},
             },
+            "soak": _soak(),
         },
     }
+
+
+def _soak() -> dict[str, Any]:
+    """A soak of 3 minutes sampled every second, one bounce, through the figure's own summary."""
+    from sandbox_lanes_bench.soak import BENCH_COLUMNS, POD_COLUMNS, summarise
+
+    pod_rows = [[float(t), 60.0 + t % 3, 27, 70, 24, 50, 0.5, t, t, 0, 0, 0] for t in range(1, 181)]
+    bench_rows = [[float(t), t, t, t, None if 100 <= t < 110 else 3] for t in range(1, 181)]
+    return summarise(
+        {
+            "minutes": 3.0, "rate_per_s": 1.0, "lifetime_s": 4.0, "retention_s": 10, "bounce_every_s": 60.0,
+            "bounce_down_s": 5.0, "store": "rocksdb", "executions": 180, "provisioned": 180,
+            "deprovisioned": 180, "lost": 0, "duplicates": 0, "bounces": [
+                {"node": 0, "how": "SIGTERM", "down_t_s": 100.0, "up_t_s": 110.0, "isr_full_after_s": 2.0}
+            ],
+            "pod_samples": {"columns": ["t_s", *POD_COLUMNS], "rows": pod_rows},
+            "bench_samples": {"columns": ["t_s", *BENCH_COLUMNS], "rows": bench_rows},
+            "provision_ms": [(float(t), 20.0 + t % 7) for t in range(1, 181)],
+            "teardown_ms": [(float(t), 15.0) for t in range(1, 181)],
+        }
+    )  # fmt: skip
 
 
 def _svg_text(path: Path) -> str:
@@ -190,6 +212,8 @@ def test_every_chart_from_a_document_with_every_figure(tmp_path: Path) -> None:
     assert "at_least_once" in texts["latency"] and "p95" in texts["latency"]
     assert "Quix Streams" in texts["peers"] and "one event at a time" in texts["peers"]
     assert "kept for ever" in texts["retention"] and "retention 2 s" in texts["retention"]
+    for label in ("RSS, MiB", "asyncio tasks", "states held", "consumer lag, records", "1 broker bounces"):
+        assert label in texts["soak"], label
 
 
 def test_a_chart_whose_figure_is_absent_is_not_written(tmp_path: Path) -> None:
@@ -197,16 +221,17 @@ def test_a_chart_whose_figure_is_absent_is_not_written(tmp_path: Path) -> None:
     figures = doc["figures"]
     cases: dict[str, tuple[list[str], list[str]]] = {
         # figures removed -> the charts still written
-        "no burst": (["burst"], ["latency", "peers", "retention"]),
+        "no burst": (["burst"], ["latency", "peers", "retention", "soak"]),
         "no latency": (
             ["latency", "latency_at_least_once"],
-            ["burst-latency", "burst-breakdown", "peers", "retention"],
+            ["burst-latency", "burst-breakdown", "peers", "retention", "soak"],
         ),
         "no peers": (
             ["peers", "peers_latency"],
-            ["burst-latency", "burst-breakdown", "latency", "retention"],
+            ["burst-latency", "burst-breakdown", "latency", "retention", "soak"],
         ),
-        "no retention": (["retention"], ["burst-latency", "burst-breakdown", "latency", "peers"]),
+        "no retention": (["retention"], ["burst-latency", "burst-breakdown", "latency", "peers", "soak"]),
+        "no soak": (["soak"], ["burst-latency", "burst-breakdown", "latency", "peers", "retention"]),
         "nothing": (list(figures), []),
     }
     for case, (removed, expected) in cases.items():
