@@ -552,8 +552,10 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
 
 
 def warmup_s(fig: dict[str, Any]) -> float:
-    """When the run is in its steady state: states are removed as fast as they are made from then on."""
-    return float(fig["retention_s"]) + float(fig["lifetime_s"]) + 60.0
+    """When the run is in its steady state: states are removed as fast as they are made from then on (the
+    first retention period after a lifetime, and a tenth of the run, at most a minute, to settle)."""
+    settle = min(60.0, float(fig["minutes"]) * 6.0)
+    return float(fig["retention_s"]) + float(fig["lifetime_s"]) + settle
 
 
 def slope(points: Sequence[tuple[float, float]]) -> dict[str, float]:
