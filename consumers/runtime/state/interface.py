@@ -16,9 +16,10 @@ from typing import Protocol
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from events.sandbox_lanes.v1 import state_pb2
 
-#: The layout of what a disk store keeps (keys, due-time index, checkpoint). A checkpoint written
-#: by another format is refused: the partition is restored in full.
-STATE_FORMAT_VERSION = 1
+#: The layout of what a disk store keeps (keys, due-time index, outbox index, checkpoint). A
+#: checkpoint written by another format is refused: the partition is restored in full (2: the outbox
+#: index, which a database of format 1 lacks).
+STATE_FORMAT_VERSION = 2
 #: How often a pod moves its store's checkpoints forward (a disk store's; the memory store has none).
 CHECKPOINT_INTERVAL_S = 5.0
 
@@ -118,6 +119,11 @@ class StateStore(HeldStates, Protocol):
         from the beginning of the topic and reports them in :attr:`RestoreReport.rebuilt`."""
 
     def partition_items(self, partition: int) -> Iterator[tuple[str, state_pb2.ExecutionState]]: ...
+
+    def pending_items(self, partition: int) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
+        """The partition's states with driver calls pending (the outbox), in key order, read from an
+        index kept with the writes: a take-over's resume reads these, not every state held."""
+        ...
 
     async def restore(
         self,

@@ -45,6 +45,8 @@ class MemoryStore:
         self._heap: list[tuple[float, int, str]] = []
         #: Partitions thrown away by :meth:`discard`, with why: the next restore reports them rebuilt.
         self._discarded: dict[int, str] = {}
+        #: Per partition, the keys whose state has driver calls pending (:meth:`pending_items`).
+        self._outbox: dict[int, set[str]] = {}
 
     def get(self, partition: int, key: str) -> state_pb2.ExecutionState | None:
         raw = self._partitions.get(partition, {}).get(key)
@@ -53,10 +55,16 @@ class MemoryStore:
     def put(self, partition: int, key: str, state: state_pb2.ExecutionState) -> None:
         self._partitions.setdefault(partition, {})[key] = state.SerializeToString()
         self._schedule(partition, key, state, time.time())
+        outbox = self._outbox.setdefault(partition, set())
+        if state.pending:
+            outbox.add(key)
+        else:
+            outbox.discard(key)
 
     def delete(self, partition: int, key: str) -> None:
         self._partitions.get(partition, {}).pop(key, None)
         self._removable.get(partition, {}).pop(key, None)
+        self._outbox.get(partition, set()).discard(key)
 
     def apply(
         self,
@@ -116,6 +124,7 @@ class MemoryStore:
         for p in partitions:
             self._partitions.pop(p, None)
             self._removable.pop(p, None)
+            self._outbox.pop(p, None)
 
     def discard(self, partitions: Iterable[int], reason: str) -> None:
         """Throw the partitions' states away (nothing of them is on disk): the next restore rebuilds
@@ -148,6 +157,13 @@ class MemoryStore:
         for key, raw in list(self._partitions.get(partition, {}).items()):
             yield key, decode_state(raw)
 
+    def pending_items(self, partition: int) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
+        part = self._partitions.get(partition, {})
+        for key in sorted(self._outbox.get(partition, ())):
+            raw = part.get(key)
+            if raw is not None:
+                yield key, decode_state(raw)
+
     def __len__(self) -> int:
         return sum(len(p) for p in self._partitions.values())
 
@@ -169,6 +185,7 @@ class MemoryStore:
         fresh: dict[int, dict[str, bytes]] = {p: {} for p in wanted}
         #: When each restored finished state may be removed (only a float is kept per key).
         removable: dict[int, dict[str, float]] = {p: {} for p in wanted}
+        outbox: dict[int, set[str]] = {p: set() for p in wanted}
         seen_at = time.time()
         tps = [TopicPartition(self.topic, p) for p in wanted]
         async for tp, recs in read_to_end(
@@ -186,10 +203,15 @@ class MemoryStore:
                 if rec.value is None:
                     fresh[tp.partition].pop(key, None)
                     removable[tp.partition].pop(key, None)
+                    outbox[tp.partition].discard(key)
                     continue
                 try:
                     state = decode_state(rec.value)  # only what decodes is kept
                     fresh[tp.partition][key] = rec.value
+                    if state.pending:
+                        outbox[tp.partition].add(key)
+                    else:
+                        outbox[tp.partition].discard(key)
                     at = removable_from(state, self.retention_s, seen_at)
                     if at is None:
                         removable[tp.partition].pop(key, None)
@@ -203,6 +225,7 @@ class MemoryStore:
             await asyncio.sleep(0)
         self._partitions.update(fresh)
         self._removable.update(removable)
+        self._outbox.update(outbox)
         self._heap.extend((at, p, key) for p, keys in removable.items() for key, at in keys.items())
         heapq.heapify(self._heap)
         report = RestoreReport(

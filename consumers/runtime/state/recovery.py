@@ -100,9 +100,11 @@ async def _restore(
 
 
 def _resume(partition: int, store: StateStore, effects: EffectRunner) -> int:
-    """Submit the partition's pending driver calls again; how many were not already out."""
+    """Submit the partition's pending driver calls again; how many were not already out. Only the
+    states with calls pending are read (the store's outbox index): a restart with millions of states
+    held would otherwise decode them all at once on the event loop (issue 45)."""
     resumed = 0
-    for key, state in store.partition_items(partition):
+    for key, state in store.pending_items(partition):
         for effect_id, command in pending_of(state):
             resumed += effects.submit(partition, key, effect_id, command)
     return resumed

@@ -31,6 +31,7 @@ from consumers.runtime.state.rocksdb_partition import (
     CHECKPOINT_KEY,
     COUNT_KEY,
     DUE_PREFIX,
+    OUTBOX_PREFIX,
     STATE_PREFIX,
     ms_key,
     prefixed,
@@ -68,6 +69,19 @@ class RocksDBStore(RestoringDatabases):
         with guarded(partition, writing=False):
             for key, raw in prefixed(part.db, STATE_PREFIX):
                 yield key.decode("utf-8", errors="replace"), decode_state(raw)
+
+    def pending_items(self, partition: int) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
+        """The partition's states with driver calls pending, in key order, from the outbox index:
+        what a take-over re-runs reads these states only, whatever else the partition holds."""
+        part = self._parts.get(partition)
+        if part is None:
+            return
+        with guarded(partition, writing=False):
+            keys = [key for key, _ in prefixed(part.db, OUTBOX_PREFIX)]
+            for key in keys:
+                raw = part.db.get(STATE_PREFIX + key)
+                if raw is not None:
+                    yield key.decode("utf-8", errors="replace"), decode_state(raw)
 
     def items(self) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
         for partition in list(self._parts):

@@ -7,6 +7,9 @@ The database lives in ``<state dir>/<topic>/<partition>`` and keeps, under one-l
   ``d<when><key>``: the due-time index ordered by that time, so
   :meth:`~consumers.runtime.state.rocksdb.RocksDBStore.due` reads only the keys whose time has come
   and the index survives a restart without a scan;
+* ``o<key>``: the outbox index, one empty entry per state with driver calls pending, so a take-over
+  re-runs them reading those states only
+  (:meth:`~consumers.runtime.state.rocksdb.RocksDBStore.pending_items`), never every state held;
 * ``m:checkpoint``: the state topic's offset the database reflects, with what it belongs to
   (topic name and id, partition, isolation level, format version, retention); ``m:count``: keys.
 
@@ -33,6 +36,7 @@ logger = logging.getLogger("sandbox_lanes.state")
 STATE_PREFIX = b"s"
 REMOVABLE_PREFIX = b"r"
 DUE_PREFIX = b"d"
+OUTBOX_PREFIX = b"o"
 CHECKPOINT_KEY = b"m:checkpoint"
 COUNT_KEY = b"m:count"
 
@@ -124,8 +128,14 @@ class RocksDBPartition:
         if raw is None or state is None:
             batch.delete(STATE_PREFIX + key)
             batch.delete(REMOVABLE_PREFIX + key)
+            if existed:
+                batch.delete(OUTBOX_PREFIX + key)
             return -1 if existed else 0
         batch.put(STATE_PREFIX + key, raw)
+        if state.pending:
+            batch.put(OUTBOX_PREFIX + key, b"")
+        elif existed:  # an outbox entry exists only beside its state: a new key has none to remove
+            batch.delete(OUTBOX_PREFIX + key)
         at = removable_from(state, retention_s, seen_at)
         if at is None:
             batch.delete(REMOVABLE_PREFIX + key)
