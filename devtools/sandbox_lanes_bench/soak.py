@@ -13,7 +13,7 @@ Sampled every second:
 
 * by the pod's child, of itself: RSS (``VmRSS``), threads, open file descriptors, asyncio tasks, states held
   (the store's count), how late the sampler's one-second sleep woke (the loop's lag), the pod's outcome
-  counters, dead letters and failed commits;
+  counters, dead letters, failed commits and the closed producers whose threads still linger;
 * by the bench: executions created, provisioned and torn down (read from the outcomes topic,
   read_committed), the pod's consumer lag on its inputs (end offsets minus the group's committed offsets;
   empty while the cluster cannot answer), and each outcome's latency from the event that caused it
@@ -34,22 +34,18 @@ import asyncio
 import contextlib
 import heapq
 import json
-import math
 import multiprocessing
 import os
-import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from consumers.ops.progress import progress
-from sandbox_lanes_bench.common import pct, read_status
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+from sandbox_lanes_bench.common import read_status
+from sandbox_lanes_bench.soak_figures import draw, extra_lines, report_rows, summarise
 
 MIB = 1024 * 1024
 PARTITIONS = 3
@@ -66,13 +62,10 @@ POD_COLUMNS = (
     "failed",
     "dead_lettered",
     "commit_failures",
+    "lingering",
 )
 #: What the bench samples, in its rows' order (after ``t_s``).
 BENCH_COLUMNS = ("created", "provisioned_seen", "deprovisioned_seen", "lag")
-#: The resources whose slope after the warm-up is the figure: flat, or growing with the time run.
-FLAT = ("rss_mib", "threads", "fds", "tasks", "states")
-#: Latency windows of the run: its post-warm-up time cut into this many.
-WINDOWS = 6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +131,7 @@ def _outputs(pod: Any, kind: str) -> int:
 
 
 async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
+    from consumers.runtime.kafka.txn_producer import lingering
     from sandbox_lanes_bench.common import memory_provisioner, running_pod
 
     provisioner = memory_provisioner(ensure_latency_ms=spec["ensure_latency_ms"])
@@ -165,6 +159,7 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
                     _outputs(pod, "SandboxFailed") + _outputs(pod, "SandboxTeardownFailed"),
                     pod.stats.dead_lettered,
                     pod.stats.commit_failures,
+                    lingering(),
                 ]
                 out.write(json.dumps(row) + "\n")
                 out.flush()
@@ -548,201 +543,4 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
     )
 
 
-# --- the figures from the samples (pure: the JSON in, the figures out) -----------------------------
-
-
-def warmup_s(fig: dict[str, Any]) -> float:
-    """When the run is in its steady state: states are removed as fast as they are made from then on (the
-    first retention period after a lifetime, and a tenth of the run, at most a minute, to settle)."""
-    settle = min(60.0, float(fig["minutes"]) * 6.0)
-    return float(fig["retention_s"]) + float(fig["lifetime_s"]) + settle
-
-
-def slope(points: Sequence[tuple[float, float]]) -> dict[str, float]:
-    """Least-squares slope (per hour) of (t_s, value) points, its 95 % half-interval (normal, no
-    autocorrelation correction: a lower bound on the noise), and the residuals' spread."""
-    n = len(points)
-    if n < 3:
-        return {"per_hour": 0.0, "ci95_per_hour": math.inf, "residual_sd": 0.0, "n": n}
-    ts = [t / 3600.0 for t, _ in points]
-    ys = [float(y) for _, y in points]
-    mt, my = statistics.fmean(ts), statistics.fmean(ys)
-    sxx = sum((t - mt) ** 2 for t in ts)
-    b = sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / sxx if sxx else 0.0
-    a = my - b * mt
-    residuals = [y - (a + b * t) for t, y in zip(ts, ys, strict=True)]
-    sd = math.sqrt(sum(r * r for r in residuals) / (n - 2))
-    se = sd / math.sqrt(sxx) if sxx else math.inf
-    return {"per_hour": b, "ci95_per_hour": 1.96 * se, "residual_sd": sd, "n": n}
-
-
-def summarise(fig: dict[str, Any]) -> dict[str, Any]:
-    """The soak's figures from its samples: each resource's trend after the warm-up, latency per window."""
-    columns = fig["pod_samples"]["columns"]
-    rows = fig["pod_samples"]["rows"]
-    start = warmup_s(fig)
-    end = float(fig["minutes"]) * 60.0
-    steady = [r for r in rows if start <= r[0] <= end]
-    trends: dict[str, Any] = {}
-    for name in FLAT:
-        i = columns.index(name)
-        points = [(r[0], float(r[i])) for r in steady]
-        values = [v for _, v in points]
-        trend = slope(points)
-        if values:
-            quarter = max(1, len(values) // 4)
-            trend.update(
-                {
-                    "median": statistics.median(values),
-                    "min": min(values),
-                    "max": max(values),
-                    "first_quarter_median": statistics.median(values[:quarter]),
-                    "last_quarter_median": statistics.median(values[-quarter:]),
-                }
-            )
-            span_h = (points[-1][0] - points[0][0]) / 3600.0
-            trend["change_over_steady"] = trend["per_hour"] * span_h
-        trends[name] = trend
-    fig["steady_from_s"] = start
-    fig["trends"] = trends
-    fig["latency_windows"] = _windows(fig, start, end)
-    steady_ms = [ms for t, ms in fig["provision_ms"] if start <= t <= end]
-    fig["provision_p50_ms"] = pct(steady_ms, 50)
-    fig["provision_p99_ms"] = pct(steady_ms, 99)
-    lag_i = fig["bench_samples"]["columns"].index("lag")
-    lags = [r[lag_i] for r in fig["bench_samples"]["rows"] if r[lag_i] is not None and start <= r[0] <= end]
-    fig["lag_max"] = max(lags) if lags else None
-    fig["lag_median"] = statistics.median(lags) if lags else None
-    return fig
-
-
-def _windows(fig: dict[str, Any], start: float, end: float) -> list[dict[str, Any]]:
-    if end <= start:
-        return []
-    width = (end - start) / WINDOWS
-    out = []
-    for k in range(WINDOWS):
-        lo, hi = start + k * width, start + (k + 1) * width
-        prov = [ms for t, ms in fig["provision_ms"] if lo <= t < hi]
-        down = [ms for t, ms in fig["teardown_ms"] if lo <= t < hi]
-        out.append(
-            {
-                "from_s": round(lo, 1),
-                "to_s": round(hi, 1),
-                "outcomes": len(prov) + len(down),
-                "provision_p50_ms": pct(prov, 50),
-                "provision_p99_ms": pct(prov, 99),
-                "provision_max_ms": max(prov) if prov else 0.0,
-                "teardown_p99_ms": pct(down, 99),
-            }
-        )
-    return out
-
-
-# --- the table and the chart ----------------------------------------------------------------------
-
-_UNITS = {"rss_mib": "MiB", "threads": "threads", "fds": "fds", "tasks": "tasks", "states": "states"}
-
-
-def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """This figure's rows of the run's table: (figure, median, min-max, goal)."""
-    rows = [
-        (
-            f"soak {fig['minutes']:g} min: executions lost / duplicate outcomes",
-            f"{fig['lost']} / {fig['duplicates']}",
-            f"of {fig['executions']:,}",
-            "0 / 0",
-        )
-    ]
-    for name in FLAT:
-        t = fig["trends"].get(name) or {}
-        if "median" not in t:
-            continue
-        rows.append(
-            (
-                f"soak: {name} slope after warm-up, {_UNITS[name]}/h (±95 %)",
-                f"{t['per_hour']:+.3g} ± {t['ci95_per_hour']:.2g}",
-                f"{t['min']:g}-{t['max']:g} (median {t['median']:g})",
-                "flat",
-            )
-        )
-    rows.append(
-        (
-            "soak: create → provisioned p50 / p99, ms",
-            f"{fig['provision_p50_ms']:.1f} / {fig['provision_p99_ms']:.1f}",
-            f"{len(fig['bounces'])} bounces",
-            "steady",
-        )
-    )
-    return rows
-
-
-def extra_lines(fig: dict[str, Any]) -> list[str]:
-    """The latency per window of the run, under the table."""
-    lines = [
-        "| soak window, min | outcomes | provision p50 ms | p99 ms | max ms | teardown p99 ms |",
-        "|---|---|---|---|---|---|",
-    ]
-    for w in fig.get("latency_windows", []):
-        lines.append(
-            f"| {w['from_s'] / 60:.1f}-{w['to_s'] / 60:.1f} | {w['outcomes']:,} | "
-            f"{w['provision_p50_ms']:.1f} | {w['provision_p99_ms']:.1f} | {w['provision_max_ms']:.0f} | "
-            f"{w['teardown_p99_ms']:.1f} |"
-        )
-    return lines
-
-
-def draw(fig: dict[str, Any], doc: Any) -> Figure | None:
-    """``soak.svg``: each sampled resource over the run's minutes, the bounces shaded, the warm-up marked."""
-    from matplotlib.figure import Figure
-
-    rows = fig["pod_samples"]["rows"]
-    if not rows:
-        return None
-    columns = fig["pod_samples"]["columns"]
-    t = [r[0] / 60.0 for r in rows]
-    panels = [
-        ("RSS, MiB", ["rss_mib"]),
-        ("threads, descriptors", ["threads", "fds"]),
-        ("asyncio tasks", ["tasks"]),
-        ("states held", ["states"]),
-    ]
-    chart = Figure(figsize=(8.0, 10.0), layout="constrained")
-    axes = chart.subplots(len(panels) + 2, 1, sharex=True)
-    for ax, (title, names) in zip(axes, panels, strict=False):
-        for name in names:
-            i = columns.index(name)
-            ax.plot(t, [r[i] for r in rows], linewidth=0.8, label=name)
-        ax.set_ylabel(title)
-        if len(names) > 1:
-            ax.legend(loc="upper left", fontsize=7)
-    bench_cols = fig["bench_samples"]["columns"]
-    lag_i = bench_cols.index("lag")
-    brows = [r for r in fig["bench_samples"]["rows"] if r[lag_i] is not None]
-    axes[-2].plot([r[0] / 60.0 for r in brows], [r[lag_i] for r in brows], linewidth=0.8, color="#8250df")
-    axes[-2].set_ylabel("consumer lag, records")
-    per_minute: dict[int, list[float]] = {}
-    for ts, ms in fig["provision_ms"]:
-        per_minute.setdefault(int(ts // 60), []).append(ms)
-    minutes = sorted(per_minute)
-    axes[-1].plot(
-        [m + 0.5 for m in minutes], [pct(per_minute[m], 50) for m in minutes], color="#1f6feb", label="p50"
-    )
-    axes[-1].plot(
-        [m + 0.5 for m in minutes], [pct(per_minute[m], 99) for m in minutes], color="#cf222e", label="p99"
-    )
-    axes[-1].set_yscale("log")
-    axes[-1].set_ylabel("create → provisioned, ms")
-    axes[-1].legend(loc="upper left", fontsize=7)
-    axes[-1].set_xlabel("minutes into the run")
-    for ax in axes:
-        ax.axvline(fig["steady_from_s"] / 60.0, color="#57606a", linestyle=":", linewidth=0.8)
-        for b in fig["bounces"]:
-            ax.axvspan(b["down_t_s"] / 60.0, b["up_t_s"] / 60.0, color="#d0d7de", alpha=0.6, linewidth=0)
-    chart.suptitle(
-        f"soak: {fig['executions']:,} executions at {fig['rate_per_s']:g}/s over {fig['minutes']:g} min, "
-        f"{len(fig['bounces'])} broker bounces (shaded), retention {fig['retention_s']} s "
-        "(dotted: steady from)",
-        fontsize=9,
-    )
-    return chart
+__all__ = ["add_arguments", "argv_of", "draw", "extra_lines", "measure_soak", "report_rows", "summarise"]
