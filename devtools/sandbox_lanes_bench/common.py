@@ -10,7 +10,7 @@ import os
 import platform
 import statistics
 import subprocess
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
@@ -350,6 +350,23 @@ async def running_pod(
     finally:
         pod.request_stop()
         await asyncio.wait_for(task, 60)
+
+
+def child_process(
+    run: Callable[[dict[str, Any], Any], Coroutine[Any, Any, None]], spec: dict[str, Any], conn: Any
+) -> None:
+    """A figure's child process (the ``target`` of a spawned ``Process``): warning-level logs, ``run(spec,
+    conn)`` on a loop of its own, any failure sent back on the pipe as ``{"error": ...}``, the pipe closed."""
+    try:
+        from consumers.ops.logs import setup_logging
+
+        setup_logging("warning")
+        asyncio.run(run(spec, conn))
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            conn.send({"error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        conn.close()
 
 
 def recv(conn: Any, timeout: float) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from typing import Any
 
 from consumers.ops.progress import progress
 from sandbox_lanes_bench.common import (
+    child_process,
     create_topic,
     create_topics,
     created_event,
@@ -91,20 +92,6 @@ def state_topic_config() -> dict[str, str]:
 
 
 # --- the pod's child process --------------------------------------------------------------------
-
-
-def _pod_child(spec: dict[str, Any], conn: Any) -> None:
-    """Child process: a pod fed wave after wave; a report per wave, then wait for the parent's go."""
-    try:
-        from consumers.ops.logs import setup_logging
-
-        setup_logging("warning")
-        asyncio.run(_pod_run(spec, conn))
-    except BaseException as exc:
-        with contextlib.suppress(Exception):
-            conn.send({"error": f"{type(exc).__name__}: {exc}"})
-    finally:
-        conn.close()
 
 
 def _count(pod: Any, kind: str) -> int:
@@ -323,7 +310,7 @@ async def _run(args: argparse.Namespace, bootstrap: str, retention_s: int, show:
         await create_topic(bootstrap, topics.state, args.partitions, state_topic_config())
         await create_topics(bootstrap, topics, args.partitions)
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_pod_child, args=(spec, child))
+        proc = ctx.Process(target=child_process, args=(_pod_run, spec, child))
         proc.start()
         child.close()
         try:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from consumers.ops.progress import progress
-from sandbox_lanes_bench.common import read_status
+from sandbox_lanes_bench.common import child_process, read_status
 from sandbox_lanes_bench.soak_figures import draw, extra_lines, report_rows, summarise
 
 MIB = 1024 * 1024
@@ -102,20 +102,6 @@ def argv_of(args: argparse.Namespace) -> list[str]:
 
 
 # --- the pod's child process --------------------------------------------------------------------
-
-
-def _pod_child(spec: dict[str, Any], conn: Any) -> None:
-    """Child process: the pod, sampling itself every second into ``spec['samples']`` until told to stop."""
-    try:
-        from consumers.ops.logs import setup_logging
-
-        setup_logging("warning")
-        asyncio.run(_pod_run(spec, conn))
-    except BaseException as exc:
-        with contextlib.suppress(Exception):
-            conn.send({"error": f"{type(exc).__name__}: {exc}"})
-    finally:
-        conn.close()
 
 
 def _threads() -> int:
@@ -194,8 +180,15 @@ class _Run:
         self.provisioned: set[str] = set()
         self.deprovisioned: set[str] = set()
         self.duplicates = 0
+        #: each duplicate outcome: its kind, its cause, and whether the bench sent that input more than once
+        self.duplicate_details: list[dict[str, Any]] = []
+        #: event id -> seconds from its first try to its last try, for the inputs the bench sent again
+        #: after a send it was told failed (the ack may be lost while the record was written: then the
+        #: input is in the topic twice, under one event id)
+        self.resent: dict[str, float] = {}
         self.unexpected = 0
         self.send_retries = 0
+        self.send_errors: dict[str, int] = {}
         #: (t_s since the start, ms) per outcome
         self.provision_ms: list[tuple[float, float]] = []
         self.teardown_ms: list[tuple[float, float]] = []
@@ -216,15 +209,18 @@ async def _load(
 
     async def send(topic: str, message: Any, event_id: str, tracked: bool) -> None:
         rec = encode(message, source="bench")
+        first = time.perf_counter()
         while True:  # the cluster may be bouncing: a send that failed is sent again (same event id)
             try:
-                if tracked:
-                    run.sent_at[event_id] = time.perf_counter()
+                if tracked:  # latency from the first try
+                    run.sent_at.setdefault(event_id, time.perf_counter())
                 await (await producer.send(topic, rec.value, key=rec.key, headers=rec.headers))
                 return
-            except Exception:
+            except Exception as exc:
                 run.send_retries += 1
+                run.send_errors[type(exc).__name__] = run.send_errors.get(type(exc).__name__, 0) + 1
                 await asyncio.sleep(0.5)
+                run.resent[event_id] = time.perf_counter() - first
 
     def spawn(topic: str, message: Any, event_id: str, tracked: bool) -> None:
         task = asyncio.create_task(send(topic, message, event_id, tracked))
@@ -291,6 +287,10 @@ async def _collect(run: _Run, bootstrap: str, outcomes: str, began: float) -> No
                         continue
                     if cause in seen:
                         run.duplicates += 1
+                        create = cause[:-2] + "-c"  # the execution's create (the cause of a provision)
+                        run.duplicate_details.append(
+                            {"kind": kind, "cause": cause, "create_resent_after_s": run.resent.get(create)}
+                        )
                         continue
                     seen.add(cause)
                     at = run.sent_at.pop(cause, None)
@@ -432,7 +432,7 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
     spec = {"env": env, "samples": str(pod_samples), "ensure_latency_ms": 5.0}
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_pod_child, args=(spec, child))
+    proc = ctx.Process(target=child_process, args=(_pod_run, spec, child))
     proc.start()
     child.close()
     loop = asyncio.get_running_loop()
@@ -531,8 +531,18 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
             "deprovisioned": len(run.deprovisioned),
             "lost": run.created - min(len(run.provisioned), len(run.deprovisioned)),
             "duplicates": run.duplicates,
+            # a create sent again once its execution's state could be removed (its lifetime and the
+            # retention after its first try) is a new execution by design (docs/guarantees.md,
+            # Retention); any other duplicate is the pod's
+            "duplicates_unexplained": sum(
+                1
+                for d in run.duplicate_details
+                if (d["create_resent_after_s"] or 0.0) < args.soak_lifetime_s + args.soak_retention_s
+            ),
+            "duplicate_details": run.duplicate_details[:50],
             "unexpected_outcomes": run.unexpected,
             "send_retries": run.send_retries,
+            "send_errors": run.send_errors,
             "drained_after_s": None if drained_s is None else round(drained_s, 1),
             "bounces": bounces,
             "pod_samples": {"columns": ["t_s", *POD_COLUMNS], "rows": pod_rows},

@@ -27,7 +27,7 @@ def test_a_minute_of_soak_samples_every_second_and_loses_nothing(tmp_path: Path)
     cmd = [
         sys.executable, "-m", "consumers.tools.cli", "bench", "--only", "soak", "--out", str(out),
         "--no-progress", "--minutes", f"{minutes:g}", "--soak-rate", f"{rate:g}", "--soak-lifetime-s", "2",
-        "--soak-retention-s", "5", "--soak-bounce-every-s", "20", "--soak-bounce-down-s", "3",
+        "--soak-retention-s", "20", "--soak-bounce-every-s", "20", "--soak-bounce-down-s", "3",
         "--soak-dir", str(tmp_path / "rows"),
     ]  # fmt: skip
     proc = subprocess.run(
@@ -42,7 +42,9 @@ def test_a_minute_of_soak_samples_every_second_and_loses_nothing(tmp_path: Path)
     # the outcomes topic), though a broker went down and came back during it
     assert abs(fig["executions"] - rate * minutes * 60) <= rate * 2, fig["executions"]
     assert fig["provisioned"] == fig["deprovisioned"] == fig["executions"]
-    assert (fig["lost"], fig["duplicates"], fig["unexpected_outcomes"]) == (0, 0, 0)
+    # no duplicate outcome but a create the bench sent again (its ack lost in the bounce) once its
+    # execution's state could be removed: that one is a new execution by design (guarantees: Retention)
+    assert (fig["lost"], fig["duplicates_unexplained"], fig["unexpected_outcomes"]) == (0, 0, 0), fig
     assert fig["bounces"] and all(b["up_t_s"] > b["down_t_s"] for b in fig["bounces"]), fig["bounces"]
     assert len(fig["provision_ms"]) == len(fig["teardown_ms"]) == fig["executions"]
 
@@ -55,7 +57,7 @@ def test_a_minute_of_soak_samples_every_second_and_loses_nothing(tmp_path: Path)
     assert (
         min(col["rss_mib"]) > 10 and min(col["threads"]) > 1 and min(col["fds"]) > 3 and min(col["tasks"]) > 1
     )
-    # retention (5 s) removed states during the run: more were made than were ever held at once
+    # retention (20 s) removed states during the run: more were made than were ever held at once
     assert 0 < max(col["states"]) < fig["executions"], max(col["states"])
     assert col["provisioned"][-1] >= fig["executions"] * 0.9
     # the bench's rows: the group's lag was read while the cluster answered
