@@ -29,6 +29,10 @@ Figures (every one bounded, repeated ``--repeats`` times, reported as median and
    keys held, the pod's RSS and store bytes, and a fresh restore of the state topic, side by side as
    ratios to the first wave (``devtools/sandbox_lanes_bench/retention.py``). Not in the default set
    (``--only retention``).
+10. ``soak``    — cost over time: a pod on a three-node cluster of its own, a steady stream of executions
+   that end, retention scaled down, a broker bounced every few minutes; RSS, threads, descriptors,
+   asyncio tasks, states held, lag and latency sampled every second, their slopes after the warm-up
+   (``devtools/sandbox_lanes_bench/soak.py``; ``--only soak --minutes N``, not in the default set).
 
 Without ``--bootstrap`` a fresh Apache Kafka broker (``devtools/harness/kafka_broker.py``) is started and
 stopped. The table is printed as markdown; ``--out`` gets the JSON (figures + machine + versions).
