@@ -1,37 +1,428 @@
-"""Figure ``scale``: (being written)."""
+"""Figure ``scale`` (``--only scale``, issue 45 item 2): the pod on the RocksDB store with 0, 1M and 10M
+states held, under the same input stream. What a pod does each second must not grow with what it holds.
+
+Per size (``--scale-sizes``), its own topics: the held states written into the state topic by the
+restore figure's writer (:func:`sandbox_lanes_bench.restore._write_states`: provisioned workflows, ids
+``exec-NNNNNNNN``), with a few of the reaper's (finished executions' states, a deleted session's), then
+the pod in a child process of its own (:mod:`.scale_pod`): it restores them from empty, is stopped,
+and started again on the same directory for the stream, ``--scale-events`` ExecutionCreated, the
+same ids at every size. Per size: events/s, process CPU per event, the event loop's busy time per
+turn p50/p99/max (:mod:`.loop_turns`) and the pod's own turns', the pod's reaper pass (its seconds
+and the longest turn of the loop while it ran; the worst case, a deleted session's partition read
+through, on its own), restart to ready, RSS and disk; each as a ratio to the first size of the run
+(the empty store, ``0``). Goals, printed, never asserted: at the largest size throughput and the
+loop's p99 within 10 % of the empty store's, every pass's longest hold under 50 ms.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import uuid
 from typing import TYPE_CHECKING, Any
+
+from consumers.ops.progress import progress
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+logger = logging.getLogger("sandbox_lanes.bench")
+
+#: The goals (issue 45): at the largest size against the empty store.
+GOAL_RATE_RATIO = 0.9
+GOAL_P99_RATIO = 1.1
+GOAL_HOLD_MS = 50.0
+#: The charts' colours (those of ``plots``, which imports this module).
+P50_COLOR = "#1f6feb"
+P99_COLOR = "#cf222e"
+#: What the ratios to the first size are taken of (a size's row keys).
+RATIO_KEYS = (
+    "events_per_s",
+    "cpu_us_per_event",
+    "loop_turn_p50_ms",
+    "loop_turn_p99_ms",
+    "loop_turn_max_ms",
+    "loop_turn_cpu_p99_ms",
+    "loop_turn_cpu_max_ms",
+    "pod_turn_p99_ms",
+    "reaper_pass_s",
+    "reaper_longest_hold_ms",
+    "reaper_longest_hold_cpu_ms",
+    "read_through_pass_s",
+    "read_through_longest_hold_ms",
+    "read_through_longest_hold_cpu_ms",
+    "restart_to_ready_s",
+    "restart_longest_hold_ms",
+    "restart_longest_hold_cpu_ms",
+    "rss_ready_mib",
+    "rss_after_stream_mib",
+)
+
+
+def _sizes(text: str) -> list[int]:
+    """``0,1m,10m`` or ``0,1000000``: states held per size."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1_000_000 if part.endswith("m") else 1000 if part.endswith("k") else 1
+        out.append(int(float(part.rstrip("mk")) * scale))
+    if not out or any(n < 0 for n in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes like 0,1m,10m")
+    return out
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """This figure's options on ``sandbox-lanes bench``."""
+    parser.add_argument(
+        "--scale-sizes", type=_sizes, default=[0, 1_000_000, 10_000_000],
+        help="scale: states held per run, the first the base of the ratios (e.g. 0,1m,10m)",
+    )  # fmt: skip
+    parser.add_argument("--scale-events", type=int, default=20_000, help="scale: creates in the stream")
+    parser.add_argument(
+        "--scale-listed", type=int, default=200, help="scale: held states' sandboxes the driver lists"
+    )
+    parser.add_argument(
+        "--scale-candidates",
+        type=int,
+        default=20,
+        help="scale: finished executions' sandboxes reaped per pass",
+    )
+    parser.add_argument(
+        "--scale-passes", type=int, default=3, help="scale: reaper passes (and one read-through)"
+    )
 
 
 def argv_of(args: argparse.Namespace) -> list[str]:
     """This figure's options as the run's recorded command line."""
-    return []
+    sizes = ",".join(str(n) for n in args.scale_sizes)
+    return [
+        f"--scale-sizes {sizes} --scale-events {args.scale_events} --scale-listed {args.scale_listed} "
+        f"--scale-candidates {args.scale_candidates} --scale-passes {args.scale_passes}"
+    ]
+
+
+# --- the states held and the stream ---------------------------------------------------------------
+
+
+async def _write_reaper_states(bootstrap: str, topic: str, candidates: int) -> None:
+    """The reaper's states beside the held ones: ``candidates`` finished workflows (their sandboxes
+    reaped by each pass) and a deleted session whose sandbox's teardown failed."""
+    from aiokafka import AIOKafkaProducer
+
+    from drivers.naming import sandbox_base_name
+    from events.codec import encode
+    from events.sandbox_lanes.v1 import common_pb2, state_pb2
+    from sandbox_lanes_bench.restore import _state_template
+    from sandbox_lanes_bench.scale_pod import DELETED_ID, DONE_ID
+
+    template = _state_template()
+    states = []
+    for i in range(candidates):
+        state = state_pb2.ExecutionState()
+        state.CopyFrom(template)
+        eid = DONE_ID.format(i)
+        state.execution_id = eid
+        state.phase = common_pb2.EXECUTION_COMPLETED
+        box = state.sandboxes[0]
+        box.sandbox.sandbox_id = eid
+        box.sandbox.name = sandbox_base_name("workflow", eid)
+        state.updated_at.GetCurrentTime()
+        states.append(state)
+    deleted = state_pb2.ExecutionState(execution_id=DELETED_ID, session_deleted=True)
+    deleted.updated_at.GetCurrentTime()
+    record = deleted.sandboxes.add()
+    record.sandbox.scope = common_pb2.SANDBOX_SCOPE_SESSION
+    record.sandbox.sandbox_id = DELETED_ID
+    record.lifecycle = state_pb2.SANDBOX_TEARDOWN_FAILED
+    states.append(deleted)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        for state in states:
+            rec = encode(state)
+            await producer.send_and_wait(topic, rec.value, key=rec.key, headers=rec.headers)
+    finally:
+        await producer.stop()
+
+
+async def _one_size(ctx: Any, args: argparse.Namespace, bootstrap: str, n: int, show: bool) -> dict[str, Any]:
+    from consumers.ops.settings import load_settings
+    from sandbox_lanes_bench.common import create_topics, delete_topics, lane_env, produce_inputs
+    from sandbox_lanes_bench.restore import _write_states
+
+    tag = f"bench-scale-{uuid.uuid4().hex[:6]}"
+    directory = tempfile.mkdtemp(prefix="bench-scale-state-")
+    env = {
+        **lane_env(bootstrap, tag, args.partitions, "exactly_once"),
+        "SANDBOX_LANES_STATE_STORE": "rocksdb",
+        "SANDBOX_LANES_STATE_DIR": directory,
+    }
+    topics = load_settings(env).topics
+    events = args.scale_events
+    spec = {
+        "env": env,
+        "events": events,
+        "listed": args.scale_listed,
+        "candidates": args.scale_candidates,
+        "passes": args.scale_passes,
+        "restore_timeout_s": max(300.0, n / 10_000),
+        "restart_timeout_s": 120.0,
+        "stream_timeout_s": max(300.0, events / 20),
+    }
+    try:
+        await create_topics(bootstrap, topics, args.partitions)
+        write_s = await _write_states(bootstrap, topics.state, n, args.partitions, show)
+        await _write_reaper_states(bootstrap, topics.state, args.scale_candidates)
+        with progress(f"scale {n:,}: restore, stream, reaper, restart", 2, enabled=show) as bar:
+            restored = await _child(ctx, {**spec, "step": "restore"}, spec["restore_timeout_s"] + 120)
+            bar.advance()
+            await produce_inputs(bootstrap, topics.execution_created, events, "scale", show)
+            budget = spec["stream_timeout_s"] + 4 * spec["restart_timeout_s"] + 600
+            done = await _child(ctx, {**spec, "step": "run"}, budget)
+            bar.advance()
+    finally:
+        await delete_topics(bootstrap, list(topics.all()))
+        shutil.rmtree(directory, ignore_errors=True)
+    return _row(n, write_s, restored, done)
+
+
+async def _child(ctx: Any, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """One step of :mod:`.scale_pod` in a process of its own: its report."""
+    from sandbox_lanes_bench.common import recv
+    from sandbox_lanes_bench.scale_pod import pod_child
+
+    loop = asyncio.get_running_loop()
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=pod_child, args=(spec, child))
+    proc.start()
+    child.close()
+    try:
+        report: dict[str, Any] = await loop.run_in_executor(None, recv, parent, timeout_s)
+        await loop.run_in_executor(None, proc.join, 120)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    if "error" in report:
+        raise RuntimeError(f"{spec['step']}: {report['error']}")
+    return report
+
+
+def _row(n: int, write_s: float, restored: dict[str, Any], done: dict[str, Any]) -> dict[str, Any]:
+    """A size's figures from its child's reports (the passes summed up beside their list)."""
+    passes = done.pop("passes")
+    usual = [p for p in passes if not p["read_through"]]
+    through = [p for p in passes if p["read_through"]]
+    restarts = done.pop("restart_to_ready_s")
+    return {
+        "states": n,
+        "write_seconds": write_s,
+        **restored,
+        **done,
+        "reaper_pass_s": sorted(p["seconds"] for p in usual)[len(usual) // 2] if usual else 0.0,
+        "reaper_longest_hold_ms": max((p["longest_hold_ms"] for p in usual), default=0.0),
+        "reaper_longest_hold_cpu_ms": max((p["longest_hold_cpu_ms"] for p in usual), default=0.0),
+        "read_through_pass_s": through[0]["seconds"] if through else 0.0,
+        "read_through_longest_hold_ms": through[0]["longest_hold_ms"] if through else 0.0,
+        "read_through_longest_hold_cpu_ms": through[0]["longest_hold_cpu_ms"] if through else 0.0,
+        "reaper_passes": passes,
+        "restart_to_ready_s": max(restarts),
+        "restart_to_ready_runs_s": restarts,
+    }
 
 
 async def measure_scale(args: argparse.Namespace, bootstrap: str, show: bool) -> dict[str, Any]:
-    raise NotImplementedError("scale")
+    ctx = multiprocessing.get_context("spawn")
+    rows: dict[str, dict[str, Any]] = {}
+    for n in args.scale_sizes:
+        rows[str(n)] = await _one_size(ctx, args, bootstrap, n, show)
+        row = rows[str(n)]
+        print(_progress_line(n, row), flush=True)
+    base_n = str(args.scale_sizes[0])
+    base = rows[base_n]
+    ratios = {
+        size: {key: (row[key] / base[key] if base[key] else 0.0) for key in RATIO_KEYS}
+        for size, row in rows.items()
+    }
+    return {
+        "events": args.scale_events,
+        "partitions": args.partitions,
+        "listed": args.scale_listed,
+        "candidates": args.scale_candidates,
+        "base": int(base_n),
+        "sizes": rows,
+        "ratios": ratios,
+        "goals": _goals(rows, ratios),
+    }
+
+
+def _progress_line(n: int, row: dict[str, Any]) -> str:
+    return (
+        f"scale {n:>10,} states: {row['events_per_s']:,.0f} events/s, "
+        f"{row['cpu_us_per_event']:.0f} µs CPU per event, loop turn p99 {row['loop_turn_p99_ms']:.2f} ms "
+        f"(max {row['loop_turn_max_ms']:.1f}), reaper pass {row['reaper_pass_s'] * 1000:.0f} ms "
+        f"(hold {row['reaper_longest_hold_ms']:.1f} ms), read-through {row['read_through_pass_s']:.2f} s "
+        f"(hold {row['read_through_longest_hold_ms']:.1f} ms), restart {row['restart_to_ready_s']:.2f} s "
+        f"(hold {row['restart_longest_hold_ms']:.1f} ms)"
+    )
+
+
+def _goals(rows: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The issue's goals at the largest size, and whether this run met them (printed, never asserted)."""
+    largest = max(rows, key=int)
+    r = ratios[largest]
+    holds = [
+        row[k] for row in rows.values() for k in ("reaper_longest_hold_ms", "read_through_longest_hold_ms")
+    ]
+    return {
+        "at": int(largest),
+        "throughput_ratio": r["events_per_s"],
+        "throughput_met": r["events_per_s"] >= GOAL_RATE_RATIO,
+        "loop_p99_ratio": r["loop_turn_p99_ms"],
+        "loop_p99_met": r["loop_turn_p99_ms"] <= GOAL_P99_RATIO,
+        "longest_hold_ms": max(holds),
+        "longest_hold_met": max(holds) < GOAL_HOLD_MS,
+    }
+
+
+# --- the table and the chart ------------------------------------------------------------------------
+
+
+def _label(n: int) -> str:
+    if n >= 1_000_000 and n % 1_000_000 == 0:
+        return f"{n // 1_000_000}M"
+    if n >= 1000 and n % 1000 == 0:
+        return f"{n // 1000}k"
+    return f"{n:,}"
+
+
+def _mark(met: bool) -> str:
+    return "✅" if met else "❌"
 
 
 def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """This figure's rows of the run's table: (figure, median, min-max, goal)."""
-    return []
+    goals = fig["goals"]
+    at = _label(goals["at"])
+    base = _label(fig["base"])
+    return [
+        (f"12. scale: events/s with {at} states held / with {base}", f"{goals['throughput_ratio']:.2f}", "",
+         f"{_mark(goals['throughput_met'])} ≥ 0.90"),
+        (f"    loop turn p99 with {at} / with {base}", f"{goals['loop_p99_ratio']:.2f}", "",
+         f"{_mark(goals['loop_p99_met'])} ≤ 1.10"),
+        ("    longest loop hold of a reaper pass, any size", f"{goals['longest_hold_ms']:.1f} ms", "",
+         f"{_mark(goals['longest_hold_met'])} < 50 ms"),
+    ]  # fmt: skip
+
+
+#: The per-size table's rows: (label, row key, format).
+TABLE = (
+    ("events/s", "events_per_s", "{:,.0f}"),
+    ("process CPU per event, µs", "cpu_us_per_event", "{:,.0f}"),
+    ("loop turn p50, ms", "loop_turn_p50_ms", "{:.3f}"),
+    ("loop turn p99, ms", "loop_turn_p99_ms", "{:.2f}"),
+    ("loop turn max, ms", "loop_turn_max_ms", "{:.1f}"),
+    ("loop turn, the loop thread's CPU, p50, ms", "loop_turn_cpu_p50_ms", "{:.3f}"),
+    ("loop turn, its CPU, p99, ms", "loop_turn_cpu_p99_ms", "{:.2f}"),
+    ("loop turn, its CPU, max, ms", "loop_turn_cpu_max_ms", "{:.1f}"),
+    ("pod turn (fetch decided and committed) p50, ms", "pod_turn_p50_ms", "{:.1f}"),
+    ("pod turn p99, ms", "pod_turn_p99_ms", "{:.1f}"),
+    ("reaper pass, s (median)", "reaper_pass_s", "{:.3f}"),
+    ("reaper pass, longest loop hold, ms", "reaper_longest_hold_ms", "{:.2f}"),
+    ("  its longest turn by the loop thread's CPU, ms", "reaper_longest_hold_cpu_ms", "{:.2f}"),
+    ("pass reading a deleted session's partition through, s", "read_through_pass_s", "{:.2f}"),
+    ("  its longest loop hold, ms", "read_through_longest_hold_ms", "{:.2f}"),
+    ("  its longest turn by the loop thread's CPU, ms", "read_through_longest_hold_cpu_ms", "{:.2f}"),
+    ("restart to ready (the slower of two), s", "restart_to_ready_s", "{:.2f}"),
+    ("  its longest loop hold, ms", "restart_longest_hold_ms", "{:.1f}"),
+    ("  its longest turn by the loop thread's CPU, ms", "restart_longest_hold_cpu_ms", "{:.1f}"),
+    ("restore from empty, s", "restore_from_empty_s", "{:.1f}"),
+    ("RSS restarted and ready, MiB", "rss_ready_mib", "{:.0f}"),
+    ("RSS after the stream, MiB", "rss_after_stream_mib", "{:.0f}"),
+    ("state directory, MiB", "disk_mib", "{:.0f}"),
+)
 
 
 def extra_lines(fig: dict[str, Any]) -> list[str]:
-    """Markdown printed under the run's table (a table of its own), or nothing."""
-    return []
+    """Markdown printed under the run's table: every size's figures, with the ratio to the first."""
+    sizes = list(fig["sizes"])
+    head = [f"{_label(int(s))} states" for s in sizes]
+    lines = [
+        f"12. scale: the pod on RocksDB, {fig['events']:,} creates per size, {fig['partitions']} partitions "
+        f"(ratio to {_label(fig['base'])} in brackets)",
+        "",
+        "| figure | " + " | ".join(head) + " |",
+        "|---" * (len(sizes) + 1) + "|",
+    ]
+    for label, key, form in TABLE:
+        cells = []
+        for size in sizes:
+            value = fig["sizes"][size].get(key)
+            if value is None:
+                cells.append("-")
+                continue
+            ratio = fig["ratios"][size].get(key)
+            cells.append(
+                form.format(value) + (f" ({ratio:.2f}x)" if ratio is not None and size != sizes[0] else "")
+            )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def draw(fig: dict[str, Any], doc: Any) -> Figure | None:
-    """This figure's chart (``<name>.svg``), or None when the figure has nothing to draw."""
-    return None
+    """This figure's chart (``scale.svg``): per size, events/s and CPU per event; the loop's turn
+    p50/p99/max; the reaper pass's longest hold against the 50 ms goal; restart to ready."""
+    from matplotlib.figure import Figure
+
+    sizes = list(fig.get("sizes") or {})
+    if not sizes:
+        return None
+    rows = [fig["sizes"][s] for s in sizes]
+    labels = [_label(int(s)) for s in sizes]
+    x = list(range(len(sizes)))
+    chart = Figure(figsize=(10.0, 6.4), layout="constrained")
+    (rate_ax, loop_ax), (hold_ax, restart_ax) = chart.subplots(2, 2)
+    rate_ax.bar(x, [r["events_per_s"] for r in rows], color=P50_COLOR, width=0.6)
+    rate_ax.set_ylabel("events/s")
+    cpu_ax = rate_ax.twinx()
+    cpu_ax.plot(x, [r["cpu_us_per_event"] for r in rows], color=P99_COLOR, marker="o")
+    cpu_ax.set_ylabel("process CPU per event, µs", color=P99_COLOR)
+    cpu_ax.set_ylim(bottom=0)
+    rate_ax.set_title("throughput (bars) and CPU per event")
+    for key, color, marker in (("p50", P50_COLOR, "o"), ("p99", P99_COLOR, "^"), ("max", "#57606a", "s")):
+        loop_ax.plot(x, [r[f"loop_turn_{key}_ms"] for r in rows], color=color, marker=marker, label=key)
+    loop_ax.set_yscale("log")
+    loop_ax.set_ylabel("ms busy per turn of the event loop")
+    loop_ax.set_title("the event loop's turns during the stream")
+    loop_ax.legend(fontsize=7)
+    width = 0.38
+    hold_ax.bar([i - width / 2 for i in x], [r["reaper_longest_hold_ms"] for r in rows], width,
+                color=P50_COLOR, label="reaper pass")  # fmt: skip
+    hold_ax.bar([i + width / 2 for i in x], [r["read_through_longest_hold_ms"] for r in rows], width,
+                color="#bf8700", label="pass reading a partition through")  # fmt: skip
+    hold_ax.axhline(GOAL_HOLD_MS, color=P99_COLOR, linestyle="--", linewidth=1, label="goal: 50 ms")
+    hold_ax.set_ylabel("longest loop hold, ms")
+    hold_ax.set_title("a reaper pass's longest hold of the loop")
+    hold_ax.legend(fontsize=7)
+    restart_ax.bar(x, [r["restart_to_ready_s"] for r in rows], color=P50_COLOR, width=0.6)
+    restart_ax.set_ylabel("seconds")
+    restart_ax.set_title("restart to ready (with a checkpoint)")
+    for ax in (rate_ax, loop_ax, hold_ax, restart_ax):
+        ax.set_xticks(x, [f"{label}\nstates" for label in labels])
+        ax.grid(axis="y", alpha=0.3)
+    chart.suptitle(
+        f"12. the pod with the states held (RocksDB store, {fig.get('events', 0):,} creates per size)"
+    )
+    meta = (doc.get("meta_of") or {}).get("scale") or doc.get("meta") or {}
+    machine = meta.get("machine") or {}
+    where = [str(meta["started_at"])] if meta.get("started_at") else []
+    if machine.get("cores"):
+        where.append(f"{machine.get('cpu', '?')}, {machine['cores']} cores")
+    if where:  # where the numbers come from, as the other charts say it
+        chart.supxlabel(" · ".join(where)[:160], fontsize=6.5, color="#57606a")
+    return chart
