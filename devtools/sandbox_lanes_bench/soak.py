@@ -301,6 +301,49 @@ async def _collect(run: _Run, bootstrap: str, outcomes: str, began: float) -> No
             await consumer.stop()
 
 
+async def _read_back(bootstrap: str, outcomes: str) -> dict[tuple[str, str], int]:
+    """After the run: the outcome topic read again from its beginning to its end offsets (read_committed,
+    a fresh consumer), each outcome counted by (kind, cause). The verdict on lost and duplicate outcomes
+    is this read's, not the live collector's (which only times them)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from events.codec import OUTCOME_TYPES, decode
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+        max_partition_fetch_bytes=8 * 1024 * 1024,
+    )
+    await consumer.start()
+    counts: dict[tuple[str, str], int] = {}
+    try:
+        tps = [TopicPartition(outcomes, p) for p in range(PARTITIONS)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        pending = {tp for tp in tps if end[tp] > 0}
+        deadline = time.monotonic() + 300.0
+        while pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reading {outcomes} back did not reach its end in 300 s")
+            batch = await consumer.getmany(*pending, timeout_ms=500, max_records=20_000)
+            for records in batch.values():
+                for rec in records:
+                    message = decode(rec.key, rec.value, rec.headers, allowed=OUTCOME_TYPES)
+                    key = (type(message).__name__, message.meta.causation_id)  # type: ignore[attr-defined]
+                    counts[key] = counts.get(key, 0) + 1
+            for tp in list(pending):
+                if await consumer.position(tp) >= end[tp]:
+                    pending.discard(tp)
+    finally:
+        with contextlib.suppress(Exception):
+            await consumer.stop()
+    return counts
+
+
 class _Lag:
     """The pod group's lag on its inputs: end offsets minus committed offsets, or None while the cluster
     does not answer within the sample's time (clients kept for the run: they reconnect on their own)."""
@@ -514,6 +557,12 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
         with contextlib.suppress(Exception):
             await producer.stop()
         await lags.close()
+    counts = await _read_back(bootstrap, topics.outcomes)
+    provisioned = {cause for (kind, cause) in counts if kind == "SandboxProvisioned"}
+    deprovisioned = {cause for (kind, cause) in counts if kind == "SandboxDeprovisioned"}
+    creates = {f"{tag}-{i:08d}" for i in range(run.created)}
+    lost = sorted(e for e in creates if f"{e}-c" not in provisioned or f"{e}-t" not in deprovisioned)
+    doubled = {cause: n for (kind, cause), n in counts.items() if n > 1}
     pod_rows = [json.loads(line) for line in pod_samples.read_text().splitlines() if line.strip()]
     bench_rows = [json.loads(line) for line in bench_samples.read_text().splitlines() if line.strip()]
     return summarise(
@@ -527,20 +576,32 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
             "store": args.soak_store,
             "directory": str(directory),
             "executions": run.created,
-            "provisioned": len(run.provisioned),
-            "deprovisioned": len(run.deprovisioned),
-            "lost": run.created - min(len(run.provisioned), len(run.deprovisioned)),
-            "duplicates": run.duplicates,
+            # read back from the outcome topic after the run
+            "provisioned": len(provisioned),
+            "deprovisioned": len(deprovisioned),
+            "lost": len(lost),
+            "lost_examples": lost[:10],
+            "duplicates": sum(n - 1 for n in doubled.values()),
+            "unexpected_outcomes": sum(
+                n
+                for (kind, _), n in counts.items()
+                if kind not in ("SandboxProvisioned", "SandboxDeprovisioned")
+            ),
+            # what the live collector saw twice while the run went on (its reads, not the topic's)
+            "live_duplicates": run.duplicates,
             # a create sent again once its execution's state could be removed (its lifetime and the
             # retention after its first try) is a new execution by design (docs/guarantees.md,
             # Retention); any other duplicate is the pod's
             "duplicates_unexplained": sum(
-                1
-                for d in run.duplicate_details
-                if (d["create_resent_after_s"] or 0.0) < args.soak_lifetime_s + args.soak_retention_s
+                n - 1
+                for cause, n in doubled.items()
+                if run.resent.get(cause[:-2] + "-c", 0.0) < args.soak_lifetime_s + args.soak_retention_s
             ),
-            "duplicate_details": run.duplicate_details[:50],
-            "unexpected_outcomes": run.unexpected,
+            "duplicate_details": [
+                {"cause": cause, "outcomes": n, "create_resent_after_s": run.resent.get(cause[:-2] + "-c")}
+                for cause, n in sorted(doubled.items())[:50]
+            ],
+            "live_duplicate_details": run.duplicate_details[:50],
             "send_retries": run.send_retries,
             "send_errors": run.send_errors,
             "drained_after_s": None if drained_s is None else round(drained_s, 1),
