@@ -20,14 +20,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from consumers.runtime.effects import EffectRunner
 from consumers.runtime.failure_policy import Action, Site, classify, decide
+from consumers.runtime.forget_log import Forgotten, log_forgotten
 from consumers.runtime.kafka.sink import BatchSink, PartitionSinks
 from consumers.runtime.kafka.txn_producer import DEADLINE_GRACE_S
+from consumers.runtime.loop_watch import bounded_wait, outside_the_loop
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod_config import PodConfig, PodStats
 from consumers.runtime.positions import Positions
@@ -41,29 +43,6 @@ from resilience.episode import Episode, describe
 logger = logging.getLogger("sandbox_lanes.pod")
 
 _T = TypeVar("_T")
-
-#: Why the pod forgets partitions (see :meth:`Ownership.forget`).
-Forgotten = Literal["released", "take-over failed", "fenced", "abandoned"]
-_FORGET_MESSAGES: dict[Forgotten, str] = {
-    "released": "partitions released: their driver results are void here, the next owner re-runs them",
-    "take-over failed": "taking partitions over failed; retrying the take-over",
-    "fenced": (
-        "fenced: the partition's transactional id has a newer epoch (another writer took it over, or the"
-        " broker aborted a transaction past its timeout); standing down and rejoining the group"
-    ),
-    "abandoned": (
-        "the partition's producer is abandoned (a broker wait outlived its deadline, or an abort failed);"
-        " taking the partition over anew with a new producer"
-    ),
-}
-#: The level each is logged at: a fence is an event of its own (a zombie stood down); the world's
-#: failures are an episode's, which logs its one ERROR itself.
-_FORGET_LEVELS: dict[Forgotten, int] = {
-    "released": logging.INFO,
-    "take-over failed": logging.DEBUG,
-    "fenced": logging.ERROR,
-    "abandoned": logging.WARNING,
-}
 
 
 class Ownership:
@@ -140,7 +119,9 @@ class Ownership:
 
     async def bounded(self, call: Awaitable[_T]) -> _T:
         """A broker call of the consumer's, waited on no longer than a transaction's deadline."""
-        return await asyncio.wait_for(call, self.config.transaction_timeout_ms / 1000 + DEADLINE_GRACE_S)
+        deadline_s = self.config.transaction_timeout_ms / 1000 + DEADLINE_GRACE_S
+        with bounded_wait("a consumer's broker call (offsets, position)", deadline_s):
+            return await asyncio.wait_for(call, deadline_s)
 
     # --- the group's callbacks -----------------------------------------------------------------
 
@@ -182,7 +163,8 @@ class Ownership:
         assert self.consumer is not None
         with contextlib.suppress(Exception):  # a partition revoked meanwhile: its take-over is moot
             self.consumer.pause(*assigned)
-        task = asyncio.get_running_loop().create_task(self.take_over(assigned, delay_s, again=again))
+        take_over = self.take_over(assigned, delay_s, again=again)
+        task = asyncio.get_running_loop().create_task(take_over, context=outside_the_loop())
         self._taking_over.add(task)
         task.add_done_callback(self._taking_over.discard)
 
@@ -324,7 +306,8 @@ class Ownership:
             return
         self.restoring.add(partition)
         self.on_fetchable()  # pauses it
-        task = asyncio.get_running_loop().create_task(self._restore_until_held({partition}))
+        restore = self._restore_until_held({partition})
+        task = asyncio.get_running_loop().create_task(restore, context=outside_the_loop())
         self._restores.add(task)
         task.add_done_callback(self._restores.discard)
 
@@ -339,15 +322,7 @@ class Ownership:
         book's entries (``on_forget``), and the partition's producer."""
         if not partitions:
             return
-        logger.log(
-            _FORGET_LEVELS[why],
-            _FORGET_MESSAGES[why],
-            extra={
-                "partitions": ",".join(map(str, sorted(partitions))),
-                "outstanding": self.effects.outstanding,
-                **({"error": error} if error else {}),
-            },
-        )
+        log_forgotten(why, partitions, self.effects.outstanding, error)
         self.owned -= partitions
         self.restoring -= partitions
         if why == "fenced":

@@ -42,6 +42,7 @@ from consumers.runtime.kafka.clients import (
 from consumers.runtime.kafka.codecs import require_codecs
 from consumers.runtime.kafka.sink import PartitionSinks
 from consumers.runtime.kafka.topology import prepare_pod_topics
+from consumers.runtime.loop_watch import LoopWatch
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.ownership import Ownership
 from consumers.runtime.pod_config import Health, PodConfig, PodStats, assess_health
@@ -89,7 +90,8 @@ class Pod:
         #: The states of the owned partitions (in memory unless given one: ``open_store``).
         self._store = MemoryStore(config.topics.state, config.state_retention_s) if store is None else store
         self.stats = PodStats()
-        self._last_loop = time.monotonic()
+        #: When the loop last turned, and the broker waits it is in (liveness, ``/healthz``).
+        self.loop_watch = LoopWatch()
         self._running = False
         self.ready = asyncio.Event()
         self._stop = asyncio.Event()
@@ -174,10 +176,14 @@ class Pod:
     def health(self, stall_after_s: float = 30.0) -> Health:
         """What /healthz and /readyz answer now (see :func:`assess_health`)."""
         consumer = self.consumer
+        now = time.monotonic()
+        loop = self.loop_watch.assess()
         return assess_health(
-            now=time.monotonic(),
+            now=now,
             running=self._running,
-            last_loop=self._last_loop,
+            last_loop=now - loop.since_turned_s,
+            stalled_s=loop.stalled_s,
+            waiting_for=loop.waiting_for,
             stats=self.stats,
             assigned=len(consumer.assignment()) if consumer is not None else 0,
             restoring=self.ownership.in_recovery,
@@ -312,8 +318,14 @@ class Pod:
             )
 
         await run_until_bound(
-            self.turns.loop(), self._stop, lambda: self._remaining() - _CLOSE_RESERVE_S, bound_reached
+            self._watched_loop(), self._stop, lambda: self._remaining() - _CLOSE_RESERVE_S, bound_reached
         )
+
+    async def _watched_loop(self) -> None:
+        """The loop, in a task of its own that serves the loop watch: its bounded broker waits (and
+        those of the per-partition transactions it starts) are not counted as standing still."""
+        with self.loop_watch.serving():
+            await self.turns.loop()
 
     async def _checkpoints(self) -> None:
         """Every few seconds, off the turn, the store's checkpoints move forward (a disk store: see
@@ -381,7 +393,7 @@ class Pod:
         return await self.processor.runner.run(command)
 
     def _touch(self) -> None:
-        self._last_loop = time.monotonic()
+        self.loop_watch.turned()
 
 
 async def _bounded_close(what: str, closing: Awaitable[Any], seconds: float) -> None:

@@ -81,6 +81,10 @@ class Health:
     detail: str
     #: How long every commit has failed (0 after a commit went through).
     commits_failing_seconds: float = 0.0
+    #: How long the loop stood still beyond the bounds of its broker waits (what liveness judges).
+    seconds_stalled: float = 0.0
+    #: The loop's bounded waits in progress, in words.
+    waiting_for: str = ""
 
 
 def assess_health(
@@ -94,8 +98,12 @@ def assess_health(
     restored: bool,
     stall_after_s: float,
     joined: bool = False,
+    stalled_s: float | None = None,
+    waiting_for: str = "",
 ) -> Health:
-    """Alive (liveness): the loop turned within ``stall_after_s``. Nothing else: a broker outage or a
+    """Alive (liveness): the loop did not stand still for ``stall_after_s`` beyond the bounds of its
+    broker waits (``stalled_s``, :mod:`~consumers.runtime.loop_watch`; the time since it turned when
+    not given). Nothing else: a broker outage or a
     missing ACL fails the commits of every pod at once, and restarting them all would only add a
     state restore each; the loop retries every turn and carries on when the broker does.
 
@@ -105,18 +113,19 @@ def assess_health(
     rollout from going on while the new pods cannot commit.
     """
     since = now - last_loop
+    stalled = since if stalled_s is None else stalled_s
     # Failing: no commit succeeded since the first failure, and they still fail (a pod that
     # failed and then had nothing to commit, e.g. its partitions moved away, is not failing).
     failing = stats.commits_failing_since
     still = now - stats.last_commit_failure < stall_after_s
     failing_for = now - failing if failing is not None and still else 0.0
-    alive = running and since < stall_after_s
+    alive = running and stalled < stall_after_s
     serving = (restored and not restoring) if assigned > 0 else joined
     ready = alive and failing_for < stall_after_s and serving
     if not running:
         detail = "not running"
-    elif since >= stall_after_s:
-        detail = f"loop stalled for {since:.1f}s"
+    elif stalled >= stall_after_s:
+        detail = f"loop stalled for {stalled:.1f}s"
     elif failing_for >= stall_after_s:
         detail = f"commits failing for {failing_for:.1f}s"
     elif restoring:
@@ -127,7 +136,7 @@ def assess_health(
         detail = "taking partitions over"
     else:
         detail = "ok"
-    return Health(alive, ready, restoring, assigned, since, detail, failing_for)
+    return Health(alive, ready, restoring, assigned, since, detail, failing_for, stalled, waiting_for)
 
 
 def with_membership(health: Health, joined: bool, stall_after_s: float) -> Health:

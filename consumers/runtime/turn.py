@@ -44,6 +44,8 @@ Records = list[ConsumerRecord[bytes, bytes]]
 _PROBE_MS = 500
 #: Seconds between looks for states past their retention.
 _EXPIRY_CHECK_S = 1.0
+#: How much longer than its own timeout a fetch may take before the loop turns without it.
+_FETCH_GRACE_S = 1.0
 
 
 class Turns:
@@ -138,10 +140,18 @@ class Turns:
         consumer = self.ownership.consumer
         assert consumer is not None
         try:
-            fetched: dict[TopicPartition, Records] = await consumer.getmany(
-                timeout_ms=timeout_ms, max_records=self.config.max_batch
+            # aiokafka holds a fetch for as long as the group takes to settle a new assignment (a
+            # rebalance waits for every member's revocation: after an outage, for the other pods'
+            # broker waits, up to the rebalance timeout). The loop does not stand still inside
+            # it: past its timeout the fetch is let go (nothing was taken from the buffer yet) and
+            # the loop turns without records, folding results back and answering a stop.
+            fetched: dict[TopicPartition, Records] = await asyncio.wait_for(
+                consumer.getmany(timeout_ms=timeout_ms, max_records=self.config.max_batch),
+                timeout_ms / 1000 + _FETCH_GRACE_S,
             )
             return fetched
+        except TimeoutError:
+            return {}
         except Exception as exc:
             if not parse_fault(exc):
                 raise

@@ -35,6 +35,7 @@ from consumers.runtime.kafka.txn_producer import (
     group_metadata,
     lingering,
 )
+from consumers.runtime.loop_watch import bounded_wait
 from events.codec import EncodedRecord
 
 Guarantee = Literal["exactly_once", "at_least_once"]
@@ -143,10 +144,11 @@ class AtLeastOnceSink:
     async def send(self, topic: str, record: EncodedRecord, partition: int | None = None) -> None:
         if self._sequential:
             # One record per produce request: Tansu's end offsets go wrong after multi-record batches.
-            async with asyncio.timeout(self._deadline_s):
-                await self.producer.send_and_wait(
-                    topic, record.value, key=record.key, headers=record.headers, partition=partition
-                )
+            with bounded_wait("a record's acknowledgement", self._deadline_s):
+                async with asyncio.timeout(self._deadline_s):
+                    await self.producer.send_and_wait(
+                        topic, record.value, key=record.key, headers=record.headers, partition=partition
+                    )
             return
         future = await self.producer.send(
             topic, record.value, key=record.key, headers=record.headers, partition=partition
@@ -155,22 +157,26 @@ class AtLeastOnceSink:
 
     async def delete(self, topic: str, key: bytes, partition: int) -> None:
         if self._sequential:
-            async with asyncio.timeout(self._deadline_s):
-                await self.producer.send_and_wait(topic, None, key=key, partition=partition)
+            with bounded_wait("a record's acknowledgement", self._deadline_s):
+                async with asyncio.timeout(self._deadline_s):
+                    await self.producer.send_and_wait(topic, None, key=key, partition=partition)
             return
         self._futures.append(await self.producer.send(topic, None, key=key, partition=partition))
 
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
-        async with asyncio.timeout(self._deadline_s):  # a TimeoutError is the world's: retried
-            if self._futures:
-                futures, self._futures = self._futures, []
-                # Every result retrieved, the first failure raised.
-                results = await asyncio.gather(*futures, return_exceptions=True)
-                for result in results:
-                    if isinstance(result, BaseException):
-                        raise result
-            if offsets:
-                await self._consumer.commit({tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()})
+        waiting = bounded_wait("the writes' acknowledgements and the offsets' commit", self._deadline_s)
+        with waiting:
+            async with asyncio.timeout(self._deadline_s):  # a TimeoutError is the world's: retried
+                if self._futures:
+                    futures, self._futures = self._futures, []
+                    # Every result retrieved, the first failure raised.
+                    results = await asyncio.gather(*futures, return_exceptions=True)
+                    for result in results:
+                        if isinstance(result, BaseException):
+                            raise result
+                if offsets:
+                    offsets_meta = {tp: OffsetAndMetadata(off, "") for tp, off in offsets.items()}
+                    await self._consumer.commit(offsets_meta)
 
     def written(self, topic: str, partition: int) -> tuple[int, int] | None:
         return None  # no transaction: the store's checkpoint proves its way forward by reading

@@ -55,6 +55,7 @@ from consumers.runtime.kafka.producer_errors import (
     translate,
 )
 from consumers.runtime.kafka.producer_thread import Worker, retrieve
+from consumers.runtime.loop_watch import bounded_wait
 
 logger = logging.getLogger("sandbox_lanes.librdkafka")
 
@@ -165,12 +166,13 @@ class TxnProducer:
     async def _blocking(self, call: Callable[..., _T], *args: Any) -> _T:
         """``call(*args)`` in the producer's thread, awaited up to :attr:`deadline_s`."""
         future = self._worker.submit(lambda: call(*args))
+        name = getattr(call, "__name__", "a call")
         try:
-            return await asyncio.wait_for(asyncio.shield(future), self.deadline_s)
+            with bounded_wait(f"{self.transactional_id}: {name}", self.deadline_s):
+                return await asyncio.wait_for(asyncio.shield(future), self.deadline_s)
         except TimeoutError:
             self.abandoned = True
             future.add_done_callback(retrieve)  # its late answer is nobody's: not an unhandled error
-            name = getattr(call, "__name__", "a call")
             raise BrokerWaitExpired(
                 f"{self.transactional_id}: {name} did not return within {self.deadline_s:g}s"
             ) from None
@@ -216,27 +218,36 @@ class TxnProducer:
         if partition is not None:
             kwargs["partition"] = partition
         producer = self._handle
-        give_up_at: float | None = None
-        while True:
-            try:
-                producer.produce(topic, **kwargs)
-                if partition is not None:
-                    place = (topic, partition)
-                    self._sent[place] = self._sent.get(place, 0) + 1
-                return
-            except BufferError:
+        try:
+            self._hand_over(producer, topic, kwargs, partition)
+            return
+        except BufferError:
+            pass  # the queue is full: deliveries free it
+        except KafkaException as exc:
+            raise await self._refused(producer, exc) from exc
+        give_up_at = time.monotonic() + self.deadline_s
+        with bounded_wait(f"{self.transactional_id}: a full producer queue", self.deadline_s):
+            while True:
                 producer.poll(0)  # serves delivery reports without waiting
-                now = time.monotonic()
-                if give_up_at is None:
-                    give_up_at = now + self.deadline_s
-                elif now > give_up_at:
-                    self.abandoned = True
-                    raise BrokerWaitExpired(
-                        f"{self.transactional_id}: the producer's queue stayed full for {self.deadline_s:g}s"
-                    ) from None
                 await asyncio.sleep(_QUEUE_FULL_WAIT_S)
-            except KafkaException as exc:
-                raise await self._refused(producer, exc) from exc
+                try:
+                    self._hand_over(producer, topic, kwargs, partition)
+                    return
+                except BufferError:
+                    if time.monotonic() > give_up_at:
+                        self.abandoned = True
+                        full = f"the producer's queue stayed full for {self.deadline_s:g}s"
+                        raise BrokerWaitExpired(f"{self.transactional_id}: {full}") from None
+                except KafkaException as exc:
+                    raise await self._refused(producer, exc) from exc
+
+    def _hand_over(
+        self, producer: Producer, topic: str, kwargs: dict[str, Any], partition: int | None
+    ) -> None:
+        producer.produce(topic, **kwargs)
+        if partition is not None:
+            place = (topic, partition)
+            self._sent[place] = self._sent.get(place, 0) + 1
 
     async def _refused(
         self, producer: Producer, exc: KafkaException, *, at_commit: bool = False
