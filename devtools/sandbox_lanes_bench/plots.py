@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 #: Every chart, in the order written; the file is ``<name>.svg``.
-CHARTS = ("burst-latency", "burst-breakdown", "latency", "peers", "retention", "soak")
+CHARTS = ("burst-latency", "burst-breakdown", "latency", "peers", "retention", "scale", "soak")
 
 POD_COLOR = "#1f6feb"
 PEER_COLOR = "#8c959f"

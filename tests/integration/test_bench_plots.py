@@ -155,9 +155,24 @@ def _document() -> dict[str, Any]:
                 "retention_s": 2,
                 "runs": {"retention": retention_run(2, [0, 0, 0]), "kept": retention_run(0, [4, 8, 12])},
             },
+            "scale": _scale(),
             "soak": _soak(),
         },
     }
+
+
+def _scale() -> dict[str, Any]:
+    """The scale figure's chart input: per size, the rows ``scale.draw`` reads."""
+
+    def row(n: int) -> dict[str, Any]:
+        grow = 1 + n / 20_000_000
+        return {
+            "events_per_s": 3000.0 / grow, "cpu_us_per_event": 200.0 * grow, "loop_turn_p50_ms": 0.05,
+            "loop_turn_p99_ms": 40.0 * grow, "loop_turn_max_ms": 90.0, "reaper_longest_hold_ms": 2.0,
+            "read_through_longest_hold_ms": 3.0, "restart_to_ready_s": 1.2,
+        }  # fmt: skip
+
+    return {"events": 20000, "sizes": {str(n): row(n) for n in (0, 1_000_000, 10_000_000)}}
 
 
 def _soak() -> dict[str, Any]:
@@ -214,6 +229,8 @@ def test_every_chart_from_a_document_with_every_figure(tmp_path: Path) -> None:
     assert "kept for ever" in texts["retention"] and "retention 2 s" in texts["retention"]
     for label in ("RSS, MiB", "asyncio tasks", "states held", "consumer lag, records", "1 broker bounces"):
         assert label in texts["soak"], label
+    for label in ("10M", "restart to ready", "goal: 50 ms", "p99"):
+        assert label in texts["scale"], label
 
 
 def test_a_chart_whose_figure_is_absent_is_not_written(tmp_path: Path) -> None:
@@ -221,17 +238,24 @@ def test_a_chart_whose_figure_is_absent_is_not_written(tmp_path: Path) -> None:
     figures = doc["figures"]
     cases: dict[str, tuple[list[str], list[str]]] = {
         # figures removed -> the charts still written
-        "no burst": (["burst"], ["latency", "peers", "retention", "soak"]),
+        "no burst": (["burst"], ["latency", "peers", "retention", "scale", "soak"]),
         "no latency": (
             ["latency", "latency_at_least_once"],
-            ["burst-latency", "burst-breakdown", "peers", "retention", "soak"],
+            ["burst-latency", "burst-breakdown", "peers", "retention", "scale", "soak"],
         ),
         "no peers": (
             ["peers", "peers_latency"],
-            ["burst-latency", "burst-breakdown", "latency", "retention", "soak"],
+            ["burst-latency", "burst-breakdown", "latency", "retention", "scale", "soak"],
         ),
-        "no retention": (["retention"], ["burst-latency", "burst-breakdown", "latency", "peers", "soak"]),
-        "no soak": (["soak"], ["burst-latency", "burst-breakdown", "latency", "peers", "retention"]),
+        "no retention": (
+            ["retention"],
+            ["burst-latency", "burst-breakdown", "latency", "peers", "scale", "soak"],
+        ),
+        "no scale": (
+            ["scale"],
+            ["burst-latency", "burst-breakdown", "latency", "peers", "retention", "soak"],
+        ),
+        "no soak": (["soak"], ["burst-latency", "burst-breakdown", "latency", "peers", "retention", "scale"]),
         "nothing": (list(figures), []),
     }
     for case, (removed, expected) in cases.items():
