@@ -4,10 +4,11 @@ states held, under the same input stream. What a pod does each second must not g
 Per size (``--scale-sizes``), its own topics: the held states written into the state topic by the
 restore figure's writer (:func:`sandbox_lanes_bench.restore._write_states`: provisioned workflows, ids
 ``exec-NNNNNNNN``), with a few of the reaper's (finished executions' states, a deleted session's), then
-the pod in a child process of its own (:mod:`.scale_pod`): it restores them from empty, is stopped,
-and started again on the same directory for the stream, ``--scale-events`` ExecutionCreated, the
-same ids at every size. Per size: events/s, process CPU per event, the event loop's busy time per
-turn p50/p99/max (:mod:`.loop_turns`) and the pod's own turns', the pod's reaper pass (its seconds
+the pod in child processes of its own (:mod:`.scale_pod`): one restores them from empty and stops;
+the next starts again on the same directory for the stream, ``--scale-events`` ExecutionCreated, the
+same ids at every size, spread among the held ones (:func:`stream_id`). Per size: events/s, process
+CPU per event, the event loop's busy time per turn p50/p99/max (:mod:`.loop_turns`) and the pod's own
+turns', the pod's reaper pass (its seconds
 and the longest turn of the loop while it ran; the worst case, a deleted session's partition read
 through, on its own), restart to ready, RSS and disk; each as a ratio to the first size of the run
 (the empty store, ``0``). Goals, printed, never asserted: at the largest size throughput and the
@@ -151,9 +152,49 @@ async def _write_reaper_states(bootstrap: str, topic: str, candidates: int) -> N
         await producer.stop()
 
 
+#: The stream's ids are spread over the held ids' range (``exec-NNNNNNNN``, up to 10M), each just past
+#: one of them: a create's reads of its (absent) key then search the store's levels as a real id would,
+#: instead of falling before every file's first key (``scale-wf-N`` sorts before ``exec-``).
+STREAM_STRIDE = 499  # prime: i * 499 mod 10M differs for every i below 10M
+STREAM_SPAN = 10_000_000
+
+
+def stream_id(i: int) -> str:
+    """The stream's i-th execution id, the same at every size."""
+    return f"exec-{(i * STREAM_STRIDE + 7) % STREAM_SPAN:08d}-new"
+
+
+async def _produce_stream(bootstrap: str, topic: str, n: int, show: bool) -> None:
+    """The input stream: ``n`` ExecutionCreated (workflows, CLOUD), ids :func:`stream_id`."""
+    from aiokafka import AIOKafkaProducer
+
+    from events.codec import encode
+    from sandbox_lanes_bench.common import created_event
+
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", linger_ms=20, max_batch_size=512 * 1024
+    )
+    await producer.start()
+    try:
+        futures: list[asyncio.Future[Any]] = []
+        with progress(f"produce {n:,} creates", n, enabled=show) as bar:
+            for i in range(n):
+                eid = stream_id(i)
+                rec = encode(created_event(eid, f"{eid}-created"), source="bench")
+                futures.append(await producer.send(topic, rec.value, key=rec.key, headers=rec.headers))
+                if len(futures) >= 5_000:
+                    await asyncio.gather(*futures)
+                    bar.advance(len(futures))
+                    futures = []
+            await asyncio.gather(*futures)
+            bar.advance(len(futures))
+    finally:
+        await producer.stop()
+
+
 async def _one_size(ctx: Any, args: argparse.Namespace, bootstrap: str, n: int, show: bool) -> dict[str, Any]:
     from consumers.ops.settings import load_settings
-    from sandbox_lanes_bench.common import create_topics, delete_topics, lane_env, produce_inputs
+    from sandbox_lanes_bench.common import create_topics, delete_topics, lane_env
     from sandbox_lanes_bench.restore import _write_states
 
     tag = f"bench-scale-{uuid.uuid4().hex[:6]}"
@@ -182,7 +223,7 @@ async def _one_size(ctx: Any, args: argparse.Namespace, bootstrap: str, n: int, 
         with progress(f"scale {n:,}: restore, stream, reaper, restart", 2, enabled=show) as bar:
             restored = await _child(ctx, {**spec, "step": "restore"}, spec["restore_timeout_s"] + 120)
             bar.advance()
-            await produce_inputs(bootstrap, topics.execution_created, events, "scale", show)
+            await _produce_stream(bootstrap, topics.execution_created, events, show)
             budget = spec["stream_timeout_s"] + 4 * spec["restart_timeout_s"] + 600
             done = await _child(ctx, {**spec, "step": "run"}, budget)
             bar.advance()
