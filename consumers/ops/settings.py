@@ -325,8 +325,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "SANDBOX_LANES_STALL_SECONDS",
         "30",
-        "the loop counts as stalled (`/healthz` 503) after this long without a turn; commits "
-        "failing this long make `/readyz` 503",
+        "the loop counts as stalled (`/healthz` 503) after standing still this long beyond the "
+        "deadlines of the broker waits it is in; commits failing this long make `/readyz` 503",
     ),
     Setting("SANDBOX_LANES_LOG_LEVEL", "info", "`debug`, `info`, `warning`, `error` (`--log-level` wins)"),
     Setting("SANDBOX_LANES_LOG_FORMAT", "auto", "`auto` (human on a terminal, else JSON), `json`, `human`"),
