@@ -5,14 +5,16 @@ Per size (``--scale-sizes``), its own topics: the held states written into the s
 restore figure's writer (:func:`sandbox_lanes_bench.restore._write_states`: provisioned workflows, ids
 ``exec-NNNNNNNN``), with a few of the reaper's (finished executions' states, a deleted session's), then
 the pod in child processes of its own (:mod:`.scale_pod`): one restores them from empty and stops;
-the next starts again on the same directory for the stream, ``--scale-events`` ExecutionCreated, the
-same ids at every size, spread among the held ones (:func:`stream_id`). Per size: events/s, process
-CPU per event, the event loop's busy time per turn p50/p99/max (:mod:`.loop_turns`) and the pod's own
-turns', the pod's reaper pass (its seconds
-and the longest turn of the loop while it ran; the worst case, a deleted session's partition read
-through, on its own), restart to ready, RSS and disk; each as a ratio to the first size of the run
-(the empty store, ``0``). Goals, printed, never asserted: at the largest size throughput and the
-loop's p99 within 10 % of the empty store's, every pass's longest hold under 50 ms.
+each next one starts again on the same directory for a round of the stream, ``--scale-events``
+ExecutionCreated, the same ids at every size, spread among the held ones (:func:`stream_id`); the
+sizes' rounds (``--scale-rounds``) interleaved, so a drift in the machine's load hits them alike.
+
+Per size: events/s, process CPU per event, the event loop's busy time per turn p50/p99/max
+(:mod:`.loop_turns`) and the pod's own turns', the pod's reaper pass (its seconds and the longest turn
+of the loop while it ran; the worst case, a deleted session's partition read through, on its own),
+restart to ready and its longest turn, RSS and disk; each as a ratio to the first size of the run (the
+empty store, ``0``). Goals, printed, never asserted: at the largest size throughput and the loop's p99
+within 10 % of the empty store's, every pass's longest hold under 50 ms.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import asyncio
 import logging
 import multiprocessing
 import shutil
+import statistics
 import tempfile
 import uuid
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from consumers.ops.progress import progress
@@ -37,6 +41,8 @@ logger = logging.getLogger("sandbox_lanes.bench")
 GOAL_RATE_RATIO = 0.9
 GOAL_P99_RATIO = 1.1
 GOAL_HOLD_MS = 50.0
+#: Each round's ratio to the base in the same round (their spread: the table's min-max).
+PAIRED_KEYS = ("events_per_s", "cpu_us_per_event", "loop_turn_p99_ms", "loop_turn_cpu_p99_ms")
 #: The charts' colours (those of ``plots``, which imports this module).
 P50_COLOR = "#1f6feb"
 P99_COLOR = "#cf222e"
@@ -95,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="scale: finished executions' sandboxes reaped per pass",
     )
     parser.add_argument(
+        "--scale-rounds", type=int, default=3, help="scale: rounds of the stream per size, interleaved"
+    )
+    parser.add_argument(
         "--scale-passes", type=int, default=3, help="scale: reaper passes (and one read-through)"
     )
 
@@ -104,7 +113,8 @@ def argv_of(args: argparse.Namespace) -> list[str]:
     sizes = ",".join(str(n) for n in args.scale_sizes)
     return [
         f"--scale-sizes {sizes} --scale-events {args.scale_events} --scale-listed {args.scale_listed} "
-        f"--scale-candidates {args.scale_candidates} --scale-passes {args.scale_passes}"
+        f"--scale-candidates {args.scale_candidates} --scale-passes {args.scale_passes} "
+        f"--scale-rounds {args.scale_rounds}"
     ]
 
 
@@ -164,8 +174,9 @@ def stream_id(i: int) -> str:
     return f"exec-{(i * STREAM_STRIDE + 7) % STREAM_SPAN:08d}-new"
 
 
-async def _produce_stream(bootstrap: str, topic: str, n: int, show: bool) -> None:
-    """The input stream: ``n`` ExecutionCreated (workflows, CLOUD), ids :func:`stream_id`."""
+async def _produce_stream(bootstrap: str, topic: str, n: int, show: bool, *, first: int = 0) -> None:
+    """A round of the input stream: ``n`` ExecutionCreated (workflows, CLOUD), ids :func:`stream_id`
+    from ``first`` (each round new executions, the same at every size)."""
     from aiokafka import AIOKafkaProducer
 
     from events.codec import encode
@@ -178,7 +189,7 @@ async def _produce_stream(bootstrap: str, topic: str, n: int, show: bool) -> Non
     try:
         futures: list[asyncio.Future[Any]] = []
         with progress(f"produce {n:,} creates", n, enabled=show) as bar:
-            for i in range(n):
+            for i in range(first, first + n):
                 eid = stream_id(i)
                 rec = encode(created_event(eid, f"{eid}-created"), source="bench")
                 futures.append(await producer.send(topic, rec.value, key=rec.key, headers=rec.headers))
@@ -192,19 +203,28 @@ async def _produce_stream(bootstrap: str, topic: str, n: int, show: bool) -> Non
         await producer.stop()
 
 
-async def _one_size(ctx: Any, args: argparse.Namespace, bootstrap: str, n: int, show: bool) -> dict[str, Any]:
-    from consumers.ops.settings import load_settings
-    from sandbox_lanes_bench.common import create_topics, delete_topics, lane_env
-    from sandbox_lanes_bench.restore import _write_states
+@dataclass
+class _Size:
+    """One size of the run: its topics and directory (kept for every round), and its children's reports."""
 
-    tag = f"bench-scale-{uuid.uuid4().hex[:6]}"
-    directory = tempfile.mkdtemp(prefix="bench-scale-state-")
+    n: int
+    env: dict[str, str]
+    topics: Any
+    spec: dict[str, Any]
+    write_s: float = 0.0
+    restored: dict[str, Any] = field(default_factory=dict)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _size(args: argparse.Namespace, bootstrap: str, n: int) -> _Size:
+    from consumers.ops.settings import load_settings
+    from sandbox_lanes_bench.common import lane_env
+
     env = {
-        **lane_env(bootstrap, tag, args.partitions, "exactly_once"),
+        **lane_env(bootstrap, f"bench-scale-{uuid.uuid4().hex[:6]}", args.partitions, "exactly_once"),
         "SANDBOX_LANES_STATE_STORE": "rocksdb",
-        "SANDBOX_LANES_STATE_DIR": directory,
+        "SANDBOX_LANES_STATE_DIR": tempfile.mkdtemp(prefix="bench-scale-state-"),
     }
-    topics = load_settings(env).topics
     events = args.scale_events
     spec = {
         "env": env,
@@ -216,21 +236,31 @@ async def _one_size(ctx: Any, args: argparse.Namespace, bootstrap: str, n: int, 
         "restart_timeout_s": 120.0,
         "stream_timeout_s": max(300.0, events / 20),
     }
-    try:
-        await create_topics(bootstrap, topics, args.partitions)
-        write_s = await _write_states(bootstrap, topics.state, n, args.partitions, show)
-        await _write_reaper_states(bootstrap, topics.state, args.scale_candidates)
-        with progress(f"scale {n:,}: restore, stream, reaper, restart", 2, enabled=show) as bar:
-            restored = await _child(ctx, {**spec, "step": "restore"}, spec["restore_timeout_s"] + 120)
-            bar.advance()
-            await _produce_stream(bootstrap, topics.execution_created, events, show)
-            budget = spec["stream_timeout_s"] + 4 * spec["restart_timeout_s"] + 600
-            done = await _child(ctx, {**spec, "step": "run"}, budget)
-            bar.advance()
-    finally:
-        await delete_topics(bootstrap, list(topics.all()))
-        shutil.rmtree(directory, ignore_errors=True)
-    return _row(n, write_s, restored, done)
+    return _Size(n, env, load_settings(env).topics, spec)
+
+
+async def _prepare(ctx: Any, size: _Size, args: argparse.Namespace, bootstrap: str, show: bool) -> None:
+    """The size's topics, its held states written, and restored from empty by a pod of its own."""
+    from sandbox_lanes_bench.common import create_topics
+    from sandbox_lanes_bench.restore import _write_states
+
+    await create_topics(bootstrap, size.topics, args.partitions)
+    size.write_s = await _write_states(bootstrap, size.topics.state, size.n, args.partitions, show)
+    await _write_reaper_states(bootstrap, size.topics.state, args.scale_candidates)
+    timeout = size.spec["restore_timeout_s"] + 120
+    with progress(f"scale {size.n:,}: restore from empty", 1, enabled=show) as bar:
+        size.restored = await _child(ctx, {**size.spec, "step": "restore"}, timeout)
+        bar.advance()
+
+
+async def _round(ctx: Any, size: _Size, bootstrap: str, r: int, show: bool) -> None:
+    """Round ``r`` of the stream through the size's pod: restart, stream, reaper passes, restart."""
+    events = size.spec["events"]
+    await _produce_stream(bootstrap, size.topics.execution_created, events, show, first=r * events)
+    budget = size.spec["stream_timeout_s"] + 4 * size.spec["restart_timeout_s"] + 600
+    with progress(f"scale {size.n:,}: round {r + 1}", 1, enabled=show) as bar:
+        size.runs.append(await _child(ctx, {**size.spec, "step": "run"}, budget))
+        bar.advance()
 
 
 async def _child(ctx: Any, spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -254,50 +284,100 @@ async def _child(ctx: Any, spec: dict[str, Any], timeout_s: float) -> dict[str, 
     return report
 
 
-def _row(n: int, write_s: float, restored: dict[str, Any], done: dict[str, Any]) -> dict[str, Any]:
-    """A size's figures from its child's reports (the passes summed up beside their list)."""
-    passes = done.pop("passes")
+#: A round's stream figures: the size's figure is their median over the rounds (their list beside it).
+MEDIAN_KEYS = (
+    "stream_seconds", "events_per_s", "cpu_us_per_event", "cpu_cores", "loop_turn_p50_ms", "loop_turn_p99_ms",
+    "loop_turn_cpu_p50_ms", "loop_turn_cpu_p99_ms", "pod_turn_p50_ms", "pod_turn_p99_ms", "rss_ready_mib",
+    "rss_after_stream_mib",
+)  # fmt: skip
+#: ... and these their largest.
+MAX_KEYS = (
+    "loop_turn_max_ms", "loop_turn_cpu_max_ms", "pod_turn_max_ms", "restart_longest_hold_ms",
+    "restart_longest_hold_cpu_ms", "rss_peak_mib",
+)  # fmt: skip
+
+
+def _median(values: list[float]) -> float:
+    return float(statistics.median(values)) if values else 0.0
+
+
+def _row(size: _Size) -> dict[str, Any]:
+    """A size's figures from its children's reports: the rounds' medians (their lists beside them),
+    the longest holds of all rounds, every reaper pass summed up beside their list."""
+    runs = size.runs
+    passes = [p for run in runs for p in run["passes"]]
     usual = [p for p in passes if not p["read_through"]]
     through = [p for p in passes if p["read_through"]]
-    restarts = done.pop("restart_to_ready_s")
+    restarts = [s for run in runs for s in run["restart_to_ready_s"]]
     return {
-        "states": n,
-        "write_seconds": write_s,
-        **restored,
-        **done,
-        "reaper_pass_s": sorted(p["seconds"] for p in usual)[len(usual) // 2] if usual else 0.0,
+        "states": size.n,
+        "write_seconds": size.write_s,
+        **size.restored,
+        **{key: _median([run[key] for run in runs]) for key in MEDIAN_KEYS},
+        **{key: max(run[key] for run in runs) for key in MAX_KEYS},
+        "rounds": {key: [run[key] for run in runs] for key in MEDIAN_KEYS},
+        "ensures_per_round": [run["ensures"] for run in runs],
+        "states_held_after": runs[-1]["states_held_after"],
+        "disk_mib": runs[-1]["disk_mib"],
+        "reaper_pass_s": _median([p["seconds"] for p in usual]),
         "reaper_longest_hold_ms": max((p["longest_hold_ms"] for p in usual), default=0.0),
         "reaper_longest_hold_cpu_ms": max((p["longest_hold_cpu_ms"] for p in usual), default=0.0),
-        "read_through_pass_s": through[0]["seconds"] if through else 0.0,
-        "read_through_longest_hold_ms": through[0]["longest_hold_ms"] if through else 0.0,
-        "read_through_longest_hold_cpu_ms": through[0]["longest_hold_cpu_ms"] if through else 0.0,
+        "read_through_pass_s": _median([p["seconds"] for p in through]),
+        "read_through_longest_hold_ms": max((p["longest_hold_ms"] for p in through), default=0.0),
+        "read_through_longest_hold_cpu_ms": max((p["longest_hold_cpu_ms"] for p in through), default=0.0),
         "reaper_passes": passes,
-        "restart_to_ready_s": max(restarts),
+        "restart_to_ready_s": _median(restarts),
+        "restart_to_ready_max_s": max(restarts),
         "restart_to_ready_runs_s": restarts,
     }
 
 
 async def measure_scale(args: argparse.Namespace, bootstrap: str, show: bool) -> dict[str, Any]:
+    from sandbox_lanes_bench.common import delete_topics
+
     ctx = multiprocessing.get_context("spawn")
+    sizes = [_size(args, bootstrap, n) for n in args.scale_sizes]
+    try:
+        for size in sizes:
+            await _prepare(ctx, size, args, bootstrap, show)
+        # The rounds interleaved (their order turned every other round), so a drift in the
+        # machine's load hits every size alike.
+        for r in range(args.scale_rounds):
+            for size in sizes if r % 2 == 0 else sizes[::-1]:
+                await _round(ctx, size, bootstrap, r, show)
+    finally:
+        for size in sizes:
+            await delete_topics(bootstrap, list(size.topics.all()))
+            shutil.rmtree(size.env["SANDBOX_LANES_STATE_DIR"], ignore_errors=True)
     rows: dict[str, dict[str, Any]] = {}
-    for n in args.scale_sizes:
-        rows[str(n)] = await _one_size(ctx, args, bootstrap, n, show)
-        row = rows[str(n)]
-        print(_progress_line(n, row), flush=True)
-    base_n = str(args.scale_sizes[0])
-    base = rows[base_n]
+    for size in sizes:
+        rows[str(size.n)] = _row(size)
+        print(_progress_line(size.n, rows[str(size.n)]), flush=True)
+    base = rows[str(sizes[0].n)]
     ratios = {
-        size: {key: (row[key] / base[key] if base[key] else 0.0) for key in RATIO_KEYS}
-        for size, row in rows.items()
+        key: {name: (row[name] / base[name] if base[name] else 0.0) for name in RATIO_KEYS}
+        for key, row in rows.items()
+    }
+    # Each round's figure over the base's in the same round: the spread of the ratios.
+    paired = {
+        key: {
+            name: [
+                v / b if b else 0.0 for v, b in zip(row["rounds"][name], base["rounds"][name], strict=True)
+            ]
+            for name in PAIRED_KEYS
+        }
+        for key, row in rows.items()
     }
     return {
         "events": args.scale_events,
+        "rounds": args.scale_rounds,
         "partitions": args.partitions,
         "listed": args.scale_listed,
         "candidates": args.scale_candidates,
-        "base": int(base_n),
+        "base": sizes[0].n,
         "sizes": rows,
         "ratios": ratios,
+        "ratios_by_round": paired,
         "goals": _goals(rows, ratios),
     }
 
@@ -347,15 +427,25 @@ def _mark(met: bool) -> str:
 
 
 def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """This figure's rows of the run's table: (figure, median, min-max, goal)."""
+    """This figure's rows of the run's table: (figure, median, min-max, goal). The ratios are of the
+    rounds' medians; min-max is the spread of each round's ratio (the two sizes in the same round)."""
     goals = fig["goals"]
     at = _label(goals["at"])
     base = _label(fig["base"])
+    by_round = (fig.get("ratios_by_round") or {}).get(str(goals["at"])) or {}
+
+    def spread(key: str) -> str:
+        values = by_round.get(key) or []
+        return f"{min(values):.2f}-{max(values):.2f}" if values else ""
+
+    cpu = fig["ratios"][str(goals["at"])]["cpu_us_per_event"]
+
     return [
-        (f"12. scale: events/s with {at} states held / with {base}", f"{goals['throughput_ratio']:.2f}", "",
-         f"{_mark(goals['throughput_met'])} ≥ 0.90"),
-        (f"    loop turn p99 with {at} / with {base}", f"{goals['loop_p99_ratio']:.2f}", "",
-         f"{_mark(goals['loop_p99_met'])} ≤ 1.10"),
+        (f"12. scale: events/s with {at} states held / with {base}", f"{goals['throughput_ratio']:.2f}",
+         spread("events_per_s"), f"{_mark(goals['throughput_met'])} ≥ 0.90"),
+        (f"    process CPU per event with {at} / with {base}", f"{cpu:.2f}", spread("cpu_us_per_event"), ""),
+        (f"    loop turn p99 with {at} / with {base}", f"{goals['loop_p99_ratio']:.2f}",
+         spread("loop_turn_p99_ms"), f"{_mark(goals['loop_p99_met'])} ≤ 1.10"),
         ("    longest loop hold of a reaper pass, any size", f"{goals['longest_hold_ms']:.1f} ms", "",
          f"{_mark(goals['longest_hold_met'])} < 50 ms"),
     ]  # fmt: skip
@@ -379,7 +469,8 @@ TABLE = (
     ("pass reading a deleted session's partition through, s", "read_through_pass_s", "{:.2f}"),
     ("  its longest loop hold, ms", "read_through_longest_hold_ms", "{:.2f}"),
     ("  its longest turn by the loop thread's CPU, ms", "read_through_longest_hold_cpu_ms", "{:.2f}"),
-    ("restart to ready (the slower of two), s", "restart_to_ready_s", "{:.2f}"),
+    ("restart to ready, s (median)", "restart_to_ready_s", "{:.2f}"),
+    ("restart to ready, the slowest, s", "restart_to_ready_max_s", "{:.2f}"),
     ("  its longest loop hold, ms", "restart_longest_hold_ms", "{:.1f}"),
     ("  its longest turn by the loop thread's CPU, ms", "restart_longest_hold_cpu_ms", "{:.1f}"),
     ("restore from empty, s", "restore_from_empty_s", "{:.1f}"),
@@ -394,7 +485,8 @@ def extra_lines(fig: dict[str, Any]) -> list[str]:
     sizes = list(fig["sizes"])
     head = [f"{_label(int(s))} states" for s in sizes]
     lines = [
-        f"12. scale: the pod on RocksDB, {fig['events']:,} creates per size, {fig['partitions']} partitions "
+        f"12. scale: the pod on RocksDB, {fig.get('rounds', 1)} rounds of {fig['events']:,} creates per "
+        f"size, {fig['partitions']} partitions: the rounds' medians, holds the longest of all "
         f"(ratio to {_label(fig['base'])} in brackets)",
         "",
         "| figure | " + " | ".join(head) + " |",

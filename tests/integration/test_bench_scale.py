@@ -20,6 +20,7 @@ EVENTS = 300
 CANDIDATES = 4
 LISTED = 50
 PASSES = 2
+ROUNDS = 2
 
 pytestmark = [pytest.mark.kafka]
 
@@ -49,7 +50,7 @@ POSITIVE = (
 )
 
 
-@pytest.mark.timeout(240)  # two sizes, two pod processes each: 11.4 s here (the broker 6 s more)
+@pytest.mark.timeout(240)  # two sizes, three pod processes each: 16.6 s here (the broker 6 s more)
 def test_bench_tiny_scale_measures_every_figure_at_every_size(kafka_bootstrap: str, tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
     cmd = [
@@ -57,6 +58,7 @@ def test_bench_tiny_scale_measures_every_figure_at_every_size(kafka_bootstrap: s
         "--bootstrap", kafka_bootstrap, "--out", str(out), "--no-progress", "--partitions", "2",
         "--scale-sizes", ",".join(map(str, SIZES)), "--scale-events", str(EVENTS),
         "--scale-listed", str(LISTED), "--scale-candidates", str(CANDIDATES), "--scale-passes", str(PASSES),
+        "--scale-rounds", str(ROUNDS),
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -67,6 +69,7 @@ def test_bench_tiny_scale_measures_every_figure_at_every_size(kafka_bootstrap: s
     fig = doc["figures"]["scale"]
     assert "error" not in fig, fig
     assert "--scale-sizes 0,2000 --scale-events 300" in doc["meta"]["command"]
+    assert "--scale-rounds 2" in doc["meta"]["command"]
     assert list(fig["sizes"]) == [str(n) for n in SIZES] and fig["base"] == 0
     for n in SIZES:
         row = fig["sizes"][str(n)]
@@ -75,15 +78,16 @@ def test_bench_tiny_scale_measures_every_figure_at_every_size(kafka_bootstrap: s
         # What the run set up: the held states and the reaper's (finished workflows, a deleted
         # session) restored; after the stream, its executions too; every create provisioned once.
         assert row["states_held"] == n + CANDIDATES + 1, row
-        assert row["states_held_after"] == n + CANDIDATES + 1 + EVENTS, row
-        assert row["ensures"] == EVENTS
+        assert row["states_held_after"] == n + CANDIDATES + 1 + ROUNDS * EVENTS, row
+        assert row["ensures_per_round"] == [EVENTS] * ROUNDS
+        assert all(len(values) == ROUNDS for values in row["rounds"].values())
         assert row["loop_turn_p50_ms"] <= row["loop_turn_p99_ms"] <= row["loop_turn_max_ms"]
         assert (
-            len(row["restart_to_ready_runs_s"]) == 2
-            and max(row["restart_to_ready_runs_s"]) == (row["restart_to_ready_s"])
+            len(row["restart_to_ready_runs_s"]) == 2 * ROUNDS
+            and max(row["restart_to_ready_runs_s"]) == row["restart_to_ready_max_s"]
         )
         passes = row["reaper_passes"]
-        assert [p["read_through"] for p in passes] == [0.0] * PASSES + [1.0]
+        assert [p["read_through"] for p in passes] == ([0.0] * PASSES + [1.0]) * ROUNDS
         for p in passes:
             listed = LISTED + 5 + CANDIDATES + p["read_through"]  # the held, quiet sessions, candidates
             assert p["listed"] == listed, p
@@ -94,6 +98,10 @@ def test_bench_tiny_scale_measures_every_figure_at_every_size(kafka_bootstrap: s
     for key, ratio in fig["ratios"]["2000"].items():
         assert ratio == pytest.approx(fig["sizes"]["2000"][key] / base[key]), key
     assert fig["ratios"]["0"]["events_per_s"] == 1.0
+    rates = [fig["sizes"][str(n)]["rounds"]["events_per_s"] for n in SIZES]
+    assert fig["ratios_by_round"]["2000"]["events_per_s"] == pytest.approx(
+        [a / b for a, b in zip(rates[1], rates[0], strict=True)]
+    )
     goals = fig["goals"]
     assert goals["at"] == 2000
     assert goals["throughput_ratio"] == fig["ratios"]["2000"]["events_per_s"]
