@@ -66,7 +66,9 @@ if [[ $want_python -eq 1 ]]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
   # pip's build backend chatters on stderr (editable-install notices); show it only when pip fails.
   pip_log=$(mktemp)
-  if ! .venv/bin/python -m pip install -q -e '.[test,demo]' -e devtools >"$pip_log" 2>&1; then
+  # SANDBOX_LANES_DEVTOOLS_EXTRAS (e.g. bench): the dev tools' extras in the same install (scripts/test.sh)
+  devtools="devtools${SANDBOX_LANES_DEVTOOLS_EXTRAS:+[$SANDBOX_LANES_DEVTOOLS_EXTRAS]}"
+  if ! .venv/bin/python -m pip install -q -e '.[test,demo]' -e "$devtools" >"$pip_log" 2>&1; then
     cat "$pip_log" >&2
     rm -f "$pip_log"
     exit 1
