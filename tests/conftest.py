@@ -17,6 +17,7 @@ pytest_plugins = [
     "tests.support.fixtures.kube",
     "tests.support.fixtures.agent_sandbox",
     "tests.support.fixtures.toxiproxy",
+    "tests.support.fixtures.release",
 ]
 
 
