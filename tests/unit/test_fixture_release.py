@@ -40,6 +40,13 @@ def kafka_broker():  # not released early
     event("broker down")
 
 
+@pytest.fixture(scope="session")
+def kafka_cluster():
+    event("cluster up")
+    yield
+    event("cluster down")
+
+
 @pytest.fixture
 def note(request):
     event("run " + request.node.name)
@@ -93,4 +100,24 @@ def test_4(note, kube_node): pass
         "controller up",
         "controller down",  # at the session's end
         "node down",
+    ]
+
+
+def test_the_clusters_users_run_one_after_another_from_the_first(pytester: pytest.Pytester) -> None:
+    tests = """
+def test_1(note): pass
+def test_2(note, kafka_cluster): pass
+def test_3(note): pass
+def test_4(note, kafka_cluster): pass
+def test_5(note): pass
+def test_6(note, kafka_cluster): pass
+"""
+    assert _events(pytester, tests, 5, "-k", "not test_6") == [
+        "run test_1",
+        "cluster up",
+        "run test_2",
+        "run test_4",  # moved up behind test_2
+        "cluster down",  # test_6 deselected: test_4 was the last user
+        "run test_3",
+        "run test_5",
     ]
