@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -40,7 +41,14 @@ def _positive(fig: dict[str, Any], *keys: str) -> None:
             assert value > 0, (key, value)
 
 
-@pytest.mark.timeout(660)  # seven systems twice, each a process of its own for the peers
+#: The tiny default run measures each figure once: a second repeat cost ~60 s (every peer framework
+#: started again, Quix's 5 s commit cadence each time); runs summarised over repeats are checked on
+#: the cheap figures by test_bench_repeats_are_interleaved_runs_summarised_per_figure.
+TINY_REPEATS = 1
+PEER_EVENTS = 300
+
+
+@pytest.mark.timeout(660)  # seven systems, each a process of its own for the peers
 def test_bench_tiny_run_writes_every_figure(
     kafka_bootstrap: str, dockerd: Dockerd, docker_image: str, tmp_path: Path
 ) -> None:
@@ -48,7 +56,7 @@ def test_bench_tiny_run_writes_every_figure(
     cmd = [
         sys.executable, "-m", "consumers.tools.cli", "bench",
         "--bootstrap", kafka_bootstrap, "--out", str(out), "--no-progress",
-        "--repeats", "2", "--events", "300", "--peer-events", "300", "--partitions", "2",
+        "--repeats", str(TINY_REPEATS), "--events", "300", "--peer-events", str(PEER_EVENTS), "--partitions", "2",
         "--latency-seconds", "1", "--latency-warmup", "0.5",
         "--rules-events", "2000", "--restore-sizes", "200,1000",
         "--driver-samples", "2", "--docker-samples", "1",
@@ -81,7 +89,7 @@ def test_bench_tiny_run_writes_every_figure(
         "ratio_at_least_once",
         "ratio_exactly_once_vs_eos_pipe",
     )
-    assert len(tp["pod"]["exactly_once_events_per_s"]["runs"]) == 2
+    assert len(tp["pod"]["exactly_once_events_per_s"]["runs"]) == TINY_REPEATS
 
     lat = figs["latency"]
     _positive(lat, "offered_rate", "samples", "p50_ms", "p95_ms", "p99_ms")
@@ -95,8 +103,9 @@ def test_bench_tiny_run_writes_every_figure(
     assert {name.rsplit(".", 1)[0] for name in peers["events_per_s"]} == systems
     for name, rate in peers["events_per_s"].items():
         _positive(peers["events_per_s"], name)
-        assert len(rate["runs"]) == 2
-        assert peers["checks"][name] == {"outcomes": 600, "duplicates": 0, "missing": 0}, name
+        assert len(rate["runs"]) == TINY_REPEATS
+        outcomes = PEER_EVENTS * TINY_REPEATS
+        assert peers["checks"][name] == {"outcomes": outcomes, "duplicates": 0, "missing": 0}, name
     _positive(
         peers["ratios"], "pod.exactly_once / quix.exactly_once", "pod.exactly_once / confluent.exactly_once"
     )
@@ -116,7 +125,7 @@ def test_bench_tiny_run_writes_every_figure(
     for n, size in quix["sizes"].items():
         assert size["changelog_keys"] == int(n)
         _positive(size, "build_seconds", "changelog_value_bytes", "seconds", "records_per_s", "rss_peak_mib")
-        assert len(size["seconds"]["runs"]) == 2
+        assert len(size["seconds"]["runs"]) == TINY_REPEATS
     assert "Quix Streams restore 1k keys (RocksDB), seconds" in proc.stdout
 
     for name in ("local-process", "docker"):
@@ -128,6 +137,53 @@ def test_bench_tiny_run_writes_every_figure(
     # retention figure in the default set, so no such chart
     _plots(tmp_path / "bench-plots", {"latency", "peers"})
     assert f"plots: {tmp_path / 'bench-plots' / 'latency.svg'}" in proc.stdout
+
+
+@pytest.mark.timeout(300)  # the pipes and the pod, both guarantees, twice; the pure rules twice
+def test_bench_repeats_are_interleaved_runs_summarised_per_figure(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """``--repeats 2`` on the cheap figures: each variant measured twice (its own sink and group each
+    time, none reading the other's), every figure the median and min-max of its own two runs, and each
+    ratio taken run by run (recomputed here from the runs, not from the bench's summary)."""
+    out = tmp_path / "repeats.json"
+    cmd = [
+        sys.executable, "-m", "consumers.tools.cli", "bench", "--only", "ceiling,pod,rules",
+        "--bootstrap", kafka_bootstrap, "--out", str(out), "--no-progress", "--no-plots",
+        "--repeats", "2", "--events", "300", "--partitions", "2", "--rules-events", "2000",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=270, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figs = json.loads(out.read_text())["figures"]
+    errors = {name: fig["error"] for name, fig in figs.items() if "error" in fig}
+    assert not errors, errors
+    assert set(figs) == {"throughput", "rules"}, set(figs)
+
+    tp = figs["throughput"]
+    summaries = {
+        **{f"ceiling.{k}": v for k, v in tp["ceiling"].items()},
+        **{f"pod.{k}": v for k, v in tp["pod"].items()},
+        **{f"rules.{k}": v for k, v in figs["rules"].items() if isinstance(v, dict)},
+    }
+    assert len(summaries) == 2 + 7 + 2, sorted(summaries)
+    for name, fig in summaries.items():
+        runs = fig["runs"]
+        assert len(runs) == 2 and all(r > 0 for r in runs), (name, fig)
+        assert (fig["min"], fig["median"], fig["max"]) == (min(runs), statistics.median(runs), max(runs)), (
+            name
+        )
+    plain = tp["ceiling"]["plain_pipe_events_per_s"]["runs"]
+    eos_pipe = tp["ceiling"]["eos_pipe_2_writes_events_per_s"]["runs"]
+    pod = tp["pod"]
+    for ratio, num, den in (
+        ("ratio_exactly_once", pod["exactly_once_events_per_s"]["runs"], plain),
+        ("ratio_at_least_once", pod["at_least_once_events_per_s"]["runs"], plain),
+        ("ratio_exactly_once_vs_eos_pipe", pod["exactly_once_events_per_s"]["runs"], eos_pipe),
+    ):
+        assert pod[ratio]["runs"] == pytest.approx([a / b for a, b in zip(num, den, strict=True)]), ratio
 
 
 @pytest.mark.kubernetes
