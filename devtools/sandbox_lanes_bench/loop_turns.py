@@ -80,6 +80,39 @@ class LoopTurns:
         return list(self.cpu[mark:])
 
 
+class GcPauses:
+    """The garbage collector's pauses while installed (``gc.callbacks``): a long turn that is one of
+    these is the collector's, not the work that happened to allocate when it ran."""
+
+    def __init__(self) -> None:
+        self.pauses = array("d")
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._started)
+
+    def __enter__(self) -> GcPauses:
+        import gc
+
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self._callback)
+
+    def mark(self) -> int:
+        return len(self.pauses)
+
+    def longest_since(self, mark: int) -> float:
+        """The longest pause since ``mark``, seconds (0 for none)."""
+        return max(self.pauses[mark:], default=0.0)
+
+
 def turn_figures(busy: list[float]) -> dict[str, float]:
     """A window's turns: count, p50, p99 and max in milliseconds (nearest rank)."""
     from sandbox_lanes_bench.common import pct

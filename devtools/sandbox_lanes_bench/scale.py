@@ -42,7 +42,9 @@ GOAL_RATE_RATIO = 0.9
 GOAL_P99_RATIO = 1.1
 GOAL_HOLD_MS = 50.0
 #: Each round's ratio to the base in the same round (their spread: the table's min-max).
-PAIRED_KEYS = ("events_per_s", "cpu_us_per_event", "loop_turn_p99_ms", "loop_turn_cpu_p99_ms")
+PAIRED_KEYS = (
+    "events_per_s", "cpu_us_per_event", "loop_cpu_us_per_event", "loop_turn_p99_ms", "loop_turn_cpu_p99_ms",
+)  # fmt: skip
 #: The charts' colours (those of ``plots``, which imports this module).
 P50_COLOR = "#1f6feb"
 P99_COLOR = "#cf222e"
@@ -50,6 +52,7 @@ P99_COLOR = "#cf222e"
 RATIO_KEYS = (
     "events_per_s",
     "cpu_us_per_event",
+    "loop_cpu_us_per_event",
     "loop_turn_p50_ms",
     "loop_turn_p99_ms",
     "loop_turn_max_ms",
@@ -286,19 +289,24 @@ async def _child(ctx: Any, spec: dict[str, Any], timeout_s: float) -> dict[str, 
 
 #: A round's stream figures: the size's figure is their median over the rounds (their list beside it).
 MEDIAN_KEYS = (
-    "stream_seconds", "events_per_s", "cpu_us_per_event", "cpu_cores", "loop_turn_p50_ms", "loop_turn_p99_ms",
-    "loop_turn_cpu_p50_ms", "loop_turn_cpu_p99_ms", "pod_turn_p50_ms", "pod_turn_p99_ms", "rss_ready_mib",
-    "rss_after_stream_mib",
+    "stream_seconds", "events_per_s", "cpu_us_per_event", "loop_cpu_us_per_event", "cpu_cores",
+    "loop_turn_p50_ms", "loop_turn_p99_ms", "loop_turn_cpu_p50_ms", "loop_turn_cpu_p99_ms", "pod_turn_p50_ms",
+    "pod_turn_p99_ms", "rss_ready_mib", "rss_after_stream_mib",
 )  # fmt: skip
 #: ... and these their largest.
 MAX_KEYS = (
     "loop_turn_max_ms", "loop_turn_cpu_max_ms", "pod_turn_max_ms", "restart_longest_hold_ms",
-    "restart_longest_hold_cpu_ms", "rss_peak_mib",
+    "restart_longest_hold_cpu_ms", "rss_peak_mib", "stream_gc_longest_ms",
 )  # fmt: skip
 
 
 def _median(values: list[float]) -> float:
     return float(statistics.median(values)) if values else 0.0
+
+
+def _first(i: int, passes: list[dict[str, Any]]) -> bool:
+    """Is pass ``i`` the first of its process (a process's passes come together, read-through last)?"""
+    return i == 0 or bool(passes[i - 1]["read_through"])
 
 
 def _row(size: _Size) -> dict[str, Any]:
@@ -322,6 +330,20 @@ def _row(size: _Size) -> dict[str, Any]:
         "reaper_pass_s": _median([p["seconds"] for p in usual]),
         "reaper_longest_hold_ms": max((p["longest_hold_ms"] for p in usual), default=0.0),
         "reaper_longest_hold_cpu_ms": max((p["longest_hold_cpu_ms"] for p in usual), default=0.0),
+        "reaper_gc_longest_ms": max((p["gc_longest_ms"] for p in usual), default=0.0),
+        "gc_longest_ms": max(
+            max(run["stream_gc_longest_ms"] for run in runs), max(p["gc_longest_ms"] for p in passes)
+        ),
+        # A process's first pass (right after its stream) apart from the later ones: with the
+        # collector's longest pause beside, whether its hold was the pass's or the collector's.
+        "reaper_later_passes_longest_hold_ms": max(
+            (
+                p["longest_hold_ms"]
+                for i, p in enumerate(passes)
+                if not p["read_through"] and not _first(i, passes)
+            ),
+            default=0.0,
+        ),
         "read_through_pass_s": _median([p["seconds"] for p in through]),
         "read_through_longest_hold_ms": max((p["longest_hold_ms"] for p in through), default=0.0),
         "read_through_longest_hold_cpu_ms": max((p["longest_hold_cpu_ms"] for p in through), default=0.0),
@@ -455,6 +477,7 @@ def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 TABLE = (
     ("events/s", "events_per_s", "{:,.0f}"),
     ("process CPU per event, µs", "cpu_us_per_event", "{:,.0f}"),
+    ("  of it the event loop's thread, µs", "loop_cpu_us_per_event", "{:,.0f}"),
     ("loop turn p50, ms", "loop_turn_p50_ms", "{:.3f}"),
     ("loop turn p99, ms", "loop_turn_p99_ms", "{:.2f}"),
     ("loop turn max, ms", "loop_turn_max_ms", "{:.1f}"),
@@ -463,9 +486,12 @@ TABLE = (
     ("loop turn, its CPU, max, ms", "loop_turn_cpu_max_ms", "{:.1f}"),
     ("pod turn (fetch decided and committed) p50, ms", "pod_turn_p50_ms", "{:.1f}"),
     ("pod turn p99, ms", "pod_turn_p99_ms", "{:.1f}"),
+    ("longest garbage collection, stream and passes, ms", "gc_longest_ms", "{:.1f}"),
     ("reaper pass, s (median)", "reaper_pass_s", "{:.3f}"),
     ("reaper pass, longest loop hold, ms", "reaper_longest_hold_ms", "{:.2f}"),
     ("  its longest turn by the loop thread's CPU, ms", "reaper_longest_hold_cpu_ms", "{:.2f}"),
+    ("  the longest garbage collection in a pass, ms", "reaper_gc_longest_ms", "{:.1f}"),
+    ("  longest loop hold of a process's later passes, ms", "reaper_later_passes_longest_hold_ms", "{:.2f}"),
     ("pass reading a deleted session's partition through, s", "read_through_pass_s", "{:.2f}"),
     ("  its longest loop hold, ms", "read_through_longest_hold_ms", "{:.2f}"),
     ("  its longest turn by the loop thread's CPU, ms", "read_through_longest_hold_cpu_ms", "{:.2f}"),
@@ -518,7 +544,7 @@ def draw(fig: dict[str, Any], doc: Any) -> Figure | None:
     rows = [fig["sizes"][s] for s in sizes]
     labels = [_label(int(s)) for s in sizes]
     x = list(range(len(sizes)))
-    chart = Figure(figsize=(10.0, 6.4), layout="constrained")
+    chart = Figure(figsize=(11.0, 6.8), layout="constrained")
     (rate_ax, loop_ax), (hold_ax, restart_ax) = chart.subplots(2, 2)
     rate_ax.bar(x, [r["events_per_s"] for r in rows], color=P50_COLOR, width=0.6)
     rate_ax.set_ylabel("events/s")
@@ -529,21 +555,35 @@ def draw(fig: dict[str, Any], doc: Any) -> Figure | None:
     rate_ax.set_title("throughput (bars) and CPU per event")
     for key, color, marker in (("p50", P50_COLOR, "o"), ("p99", P99_COLOR, "^"), ("max", "#57606a", "s")):
         loop_ax.plot(x, [r[f"loop_turn_{key}_ms"] for r in rows], color=color, marker=marker, label=key)
+        cpu_key = f"loop_turn_cpu_{key}_ms"
+        if all(cpu_key in r for r in rows) and key != "p50":
+            loop_ax.plot(x, [r[cpu_key] for r in rows], color=color, marker=marker, linestyle="--",
+                         fillstyle="none", label=f"{key}, the loop thread's CPU")  # fmt: skip
     loop_ax.set_yscale("log")
     loop_ax.set_ylabel("ms busy per turn of the event loop")
     loop_ax.set_title("the event loop's turns during the stream")
-    loop_ax.legend(fontsize=7)
+    loop_ax.legend(fontsize=6.5)
     width = 0.38
     hold_ax.bar([i - width / 2 for i in x], [r["reaper_longest_hold_ms"] for r in rows], width,
                 color=P50_COLOR, label="reaper pass")  # fmt: skip
     hold_ax.bar([i + width / 2 for i in x], [r["read_through_longest_hold_ms"] for r in rows], width,
                 color="#bf8700", label="pass reading a partition through")  # fmt: skip
+    for offset, key in (
+        (-width / 2, "reaper_longest_hold_cpu_ms"),
+        (width / 2, "read_through_longest_hold_cpu_ms"),
+    ):
+        if all(key in r for r in rows):
+            hold_ax.scatter([i + offset for i in x], [r[key] for r in rows], marker="_", s=300, color="black",
+                            zorder=3, label="the loop thread's CPU" if offset < 0 else None)  # fmt: skip
     hold_ax.axhline(GOAL_HOLD_MS, color=P99_COLOR, linestyle="--", linewidth=1, label="goal: 50 ms")
     hold_ax.set_ylabel("longest loop hold, ms")
     hold_ax.set_title("a reaper pass's longest hold of the loop")
-    hold_ax.legend(fontsize=7)
-    restart_ax.bar(x, [r["restart_to_ready_s"] for r in rows], color=P50_COLOR, width=0.6)
-    restart_ax.set_ylabel("seconds")
+    hold_ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    medians = [r["restart_to_ready_s"] for r in rows]
+    slowest = [r.get("restart_to_ready_max_s", m) for r, m in zip(rows, medians, strict=True)]
+    above = [s - m for s, m in zip(slowest, medians, strict=True)]
+    restart_ax.bar(x, medians, color=P50_COLOR, width=0.6, yerr=[[0.0] * len(x), above], capsize=4)
+    restart_ax.set_ylabel("seconds (median; whisker: the slowest)")
     restart_ax.set_title("restart to ready (with a checkpoint)")
     for ax in (rate_ax, loop_ax, hold_ax, restart_ax):
         ax.set_xticks(x, [f"{label}\nstates" for label in labels])

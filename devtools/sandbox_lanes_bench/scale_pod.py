@@ -113,25 +113,33 @@ def _outputs(pod: Any) -> int:
     return sum(pod.stats.outputs.values())
 
 
-async def _stream(run: _PodRun, turns: Any, events: int, timeout_s: float) -> dict[str, Any]:
-    """From ready until every create's outcome is written: rate, CPU, the loop's and the pod's turns."""
+async def _stream(run: _PodRun, turns: Any, gcs: Any, events: int, timeout_s: float) -> dict[str, Any]:
+    """From ready until every create's outcome is written: rate, CPU (the process's, and the loop
+    thread's alone: RocksDB's flushes and compactions run on threads of their own), the loop's and the
+    pod's turns, the collector's longest pause. The memory driver's call log is emptied as it goes
+    (it keeps every call for the tests: not the pod's heap)."""
     from sandbox_lanes_bench.common import read_status
     from sandbox_lanes_bench.loop_turns import turn_figures
 
     pod = run.pod
-    mark = turns.mark()
+    mark, gc_mark = turns.mark(), gcs.mark()
     run.pod_turns.clear()
-    cpu = time.process_time()
+    cpu, thread_cpu = time.process_time(), time.thread_time()
     started = time.perf_counter()
     deadline = time.monotonic() + timeout_s
+    ensures = 0
     while _outputs(pod) < events:
         if pod.stats.dead_lettered:
             raise RuntimeError(f"{pod.stats.dead_lettered} of the stream's records dead-lettered")
         if time.monotonic() > deadline:
             raise TimeoutError(f"{_outputs(pod)}/{events} outcomes in {timeout_s:.0f} s")
         await asyncio.sleep(0.005)
+        if len(run.provisioner.calls) > 1000:
+            ensures += run.provisioner.count("ensure")
+            run.provisioner.calls.clear()
     seconds = time.perf_counter() - started
-    cpu_s = time.process_time() - cpu
+    cpu_s, loop_cpu_s = time.process_time() - cpu, time.thread_time() - thread_cpu
+    ensures += run.provisioner.count("ensure")
     loop = turn_figures(turns.since(mark))
     loop_cpu = turn_figures(turns.cpu_since(mark))
     own = turn_figures(run.pod_turns)
@@ -139,6 +147,9 @@ async def _stream(run: _PodRun, turns: Any, events: int, timeout_s: float) -> di
         "stream_seconds": seconds,
         "events_per_s": events / seconds,
         "cpu_us_per_event": cpu_s * 1e6 / events,
+        "loop_cpu_us_per_event": loop_cpu_s * 1e6 / events,
+        "stream_gc_longest_ms": gcs.longest_since(gc_mark) * 1000,
+        "ensures": float(ensures),
         "cpu_cores": cpu_s / seconds,
         "loop_turn_p50_ms": loop["p50_ms"],
         "loop_turn_p99_ms": loop["p99_ms"],
@@ -170,7 +181,7 @@ def _list(provisioner: Any, spec: dict[str, Any], deleted: bool) -> None:
         live[("session", DELETED_ID)] = "running"
 
 
-async def _reaper_passes(run: _PodRun, turns: Any, spec: dict[str, Any]) -> dict[str, Any]:
+async def _reaper_passes(run: _PodRun, turns: Any, gcs: Any, spec: dict[str, Any]) -> dict[str, Any]:
     """The pod's own reaper, ``passes`` times as it lists by default, then once with a deleted session."""
     from consumers.ops.reaper import reaper_for
     from consumers.ops.settings import load_settings
@@ -183,7 +194,7 @@ async def _reaper_passes(run: _PodRun, turns: Any, spec: dict[str, Any]) -> dict
         deleted = i == spec["passes"]
         _list(run.provisioner, spec, deleted)
         run.provisioner.calls.clear()
-        mark = turns.mark()
+        mark, gc_mark = turns.mark(), gcs.mark()
         started = time.perf_counter()
         report = await reaper.run_once(apply=True)
         seconds = time.perf_counter() - started
@@ -195,6 +206,7 @@ async def _reaper_passes(run: _PodRun, turns: Any, spec: dict[str, Any]) -> dict
                 "seconds": seconds,
                 "longest_hold_ms": max(busy) * 1000 if busy else 0.0,
                 "longest_hold_cpu_ms": max(cpu) * 1000 if cpu else 0.0,
+                "gc_longest_ms": gcs.longest_since(gc_mark) * 1000,
                 "listed": float(len(report.results)),
                 "candidates": float(report.candidates),
                 "removed": float(report.removed),
@@ -212,13 +224,13 @@ def _disk_bytes(directory: Path) -> int:
 async def _run(spec: dict[str, Any], conn: Any) -> None:
     """``spec["step"]``: ``restore`` (step 1, a process of its own) or ``run`` (steps 3-5)."""
     from sandbox_lanes_bench.common import memory_provisioner, read_status
-    from sandbox_lanes_bench.loop_turns import LoopTurns
+    from sandbox_lanes_bench.loop_turns import GcPauses, LoopTurns
 
     loop = asyncio.get_running_loop()
     provisioner = memory_provisioner()
     pod_turns: list[float] = []
     env: dict[str, str] = spec["env"]
-    with LoopTurns(loop) as turns:
+    with LoopTurns(loop) as turns, GcPauses() as gcs:
         if spec["step"] == "restore":
             first = _PodRun(env, provisioner, pod_turns)
             restore_s = await first.start(spec["restore_timeout_s"])
@@ -234,9 +246,8 @@ async def _run(spec: dict[str, Any], conn: Any) -> None:
         holds_cpu = [max(turns.cpu_since(mark), default=0.0)]
         rss_ready = read_status("VmRSS") / MIB
         try:
-            stream = await _stream(run, turns, spec["events"], spec["stream_timeout_s"])
-            provisioned = provisioner.count("ensure")
-            reaper = await _reaper_passes(run, turns, spec)
+            stream = await _stream(run, turns, gcs, spec["events"], spec["stream_timeout_s"])
+            reaper = await _reaper_passes(run, turns, gcs, spec)
         finally:
             await run.stop()
         again = _PodRun(env, provisioner, pod_turns)
@@ -250,7 +261,6 @@ async def _run(spec: dict[str, Any], conn: Any) -> None:
         {
             **stream,
             **reaper,
-            "ensures": float(provisioned),
             "rss_ready_mib": rss_ready,
             "restart_to_ready_s": [restart_before, restart_after],
             "restart_longest_hold_ms": max(holds) * 1000,
