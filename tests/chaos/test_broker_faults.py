@@ -320,7 +320,8 @@ async def test_broker_bounces_under_exactly_once_lose_nothing_and_stall_no_pod(
         )
     for name in names:
         lines.append(
-            f"  {name}: longest loop stall {pods.longest_stall(name):.1f}s, "
+            f"  {name}: longest loop stall {pods.longest_stall(name):.1f}s "
+            f"({pods.longest_since_turned(name):.1f}s since a turn, declared broker waits included), "
             f"SIGTERM -> exit {exits[name][0]} in {exits[name][1]:.1f}s"
         )
     lines += [

@@ -435,7 +435,8 @@ async def test_a_network_fault_loses_nothing_duplicates_nothing_and_is_ridden_ou
     ]
     for name in names:
         report.append(
-            f"  {name}: longest loop stall {pods.longest_stall(name):.1f}s, "
+            f"  {name}: longest loop stall {pods.longest_stall(name):.1f}s "
+            f"({pods.longest_since_turned(name):.1f}s since a turn, declared broker waits included), "
             f"SIGTERM at the end -> exit {exits[name][0]} in {exits[name][1]:.1f}s"
         )
     report += [

@@ -190,8 +190,10 @@ class OutcomeWatch:
 @dataclass
 class HealthWatch:
     """Polls ``/healthz`` of one pod every ``period_s`` with the kubelet's ``timeout_s`` from the pod's
-    first 200 until :meth:`stop`. A stall is either what the pod reports (``seconds_since_loop``, and
-    "loop stalled" once past its window) or a stretch without an answer (its event loop not serving)."""
+    first 200 until :meth:`stop`. A stall is either what the pod's liveness judges (``seconds_stalled``:
+    the loop standing still beyond the deadlines of the broker waits it declared, and "loop stalled" once
+    past its window) or a stretch without an answer (its event loop not serving). The raw time since the
+    loop turned (``seconds_since_loop``, declared waits included) is kept beside it."""
 
     name: str
     port: int
@@ -202,7 +204,9 @@ class HealthWatch:
     answered: bool = False
     polls: int = 0
     longest_reported_s: float = 0.0
-    """The largest ``seconds_since_loop`` the pod reported."""
+    """The largest ``seconds_since_loop`` the pod reported (its declared broker waits included)."""
+    longest_stalled_s: float = 0.0
+    """The largest ``seconds_stalled`` the pod reported: what its liveness window judges."""
     longest_unanswered_s: float = 0.0
     stalled_answers: list[str] = field(default_factory=list)
     """Each "loop stalled" detail the pod answered (503)."""
@@ -214,7 +218,7 @@ class HealthWatch:
 
     @property
     def longest_stall_s(self) -> float:
-        return max(self.longest_reported_s, self.longest_unanswered_s)
+        return max(self.longest_stalled_s, self.longest_unanswered_s)
 
     async def run(self) -> None:
         url = f"http://127.0.0.1:{self.port}/healthz"
@@ -241,6 +245,8 @@ class HealthWatch:
                         unanswered_since = None
                     since = float(body.get("seconds_since_loop", 0.0))  # type: ignore[arg-type]
                     self.longest_reported_s = max(self.longest_reported_s, since)
+                    stalled = float(body.get("seconds_stalled", since))  # type: ignore[arg-type]
+                    self.longest_stalled_s = max(self.longest_stalled_s, stalled)
                     detail = str(body.get("detail", ""))
                     if status != 200 and detail.startswith("loop stalled"):
                         if not self.stalled_answers and self.on_stall is not None:
@@ -412,6 +418,10 @@ class Pods:
 
     def longest_stall(self, name: str) -> float:
         return max((w.longest_stall_s for w in self.health[name]), default=0.0)
+
+    def longest_since_turned(self, name: str) -> float:
+        """The longest raw time since the loop turned the pod reported, its declared waits included."""
+        return max((w.longest_reported_s for w in self.health[name]), default=0.0)
 
     def stalled_answers(self, name: str) -> list[str]:
         return [d for w in self.health[name] for d in w.stalled_answers]
