@@ -157,8 +157,12 @@ async def test_metrics_health_and_readiness_of_a_running_pod(kafka_bootstrap: st
         "seconds_since_loop": ready["seconds_since_loop"],
         "detail": "ok",
         "commits_failing_seconds": 0.0,
+        "seconds_stalled": ready["seconds_stalled"],
+        "waiting_for": "",  # no broker wait in progress on a quiet pod
     }
     assert float(str(ready["seconds_since_loop"])) < 5
+    # standing still beyond declared waits is never more than the raw time since a turn
+    assert 0.0 <= float(str(ready["seconds_stalled"])) <= float(str(ready["seconds_since_loop"]))
 
     status, content_type, text = await http_get(port, "/metrics")
     assert status == 200 and content_type.startswith("text/plain; version="), content_type
