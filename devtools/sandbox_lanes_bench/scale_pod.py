@@ -23,11 +23,12 @@ In order, two processes, each reporting to the parent on its pipe:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from pathlib import Path
 from typing import Any
+
+from sandbox_lanes_bench.common import child_process
 
 MIB = 1024 * 1024
 #: The listing's ids (the parent writes their states into the topic with the held ones).
@@ -40,16 +41,7 @@ QUIET_SESSIONS = 5
 
 def pod_child(spec: dict[str, Any], conn: Any) -> None:
     """Child process entry point: the steps above, then the pipe closed."""
-    try:
-        from consumers.ops.logs import setup_logging
-
-        setup_logging("warning")
-        asyncio.run(_run(spec, conn))
-    except BaseException as exc:
-        with contextlib.suppress(Exception):
-            conn.send({"error": f"{type(exc).__name__}: {exc}"})
-    finally:
-        conn.close()
+    child_process(_run, spec, conn)
 
 
 class _PodRun:
