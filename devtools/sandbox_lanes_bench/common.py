@@ -245,7 +245,11 @@ async def delete_topics(bootstrap: str, names: list[str]) -> None:
             await admin.close()
 
 
-async def produce_inputs(bootstrap: str, topic: str, n: int, tag: str, show: bool) -> None:
+async def produce_creates(
+    bootstrap: str, topic: str, ids: Sequence[tuple[str, str]], label: str, show: bool
+) -> None:
+    """One workflow ``ExecutionCreated`` (CLOUD) per ``(execution id, event id)``, acknowledged by all
+    replicas, 5,000 in flight at most, progress shown as ``label``."""
     from aiokafka import AIOKafkaProducer
 
     from events.codec import encode
@@ -256,9 +260,9 @@ async def produce_inputs(bootstrap: str, topic: str, n: int, tag: str, show: boo
     await producer.start()
     try:
         futures: list[asyncio.Future[Any]] = []
-        with progress(f"produce {n:,} inputs", n, enabled=show) as bar:
-            for i in range(n):
-                rec = encode(created_event(f"{tag}-wf-{i}", f"{tag}-ev-{i}"), source="bench")
+        with progress(label, len(ids), enabled=show) as bar:
+            for execution_id, event_id in ids:
+                rec = encode(created_event(execution_id, event_id), source="bench")
                 futures.append(await producer.send(topic, rec.value, key=rec.key, headers=rec.headers))
                 if len(futures) >= 5_000:
                     await asyncio.gather(*futures)
@@ -268,6 +272,11 @@ async def produce_inputs(bootstrap: str, topic: str, n: int, tag: str, show: boo
             bar.advance(len(futures))
     finally:
         await producer.stop()
+
+
+async def produce_inputs(bootstrap: str, topic: str, n: int, tag: str, show: bool) -> None:
+    ids = [(f"{tag}-wf-{i}", f"{tag}-ev-{i}") for i in range(n)]
+    await produce_creates(bootstrap, topic, ids, f"produce {n:,} inputs", show)
 
 
 async def prepared_inputs(

@@ -180,30 +180,10 @@ def stream_id(i: int) -> str:
 async def _produce_stream(bootstrap: str, topic: str, n: int, show: bool, *, first: int = 0) -> None:
     """A round of the input stream: ``n`` ExecutionCreated (workflows, CLOUD), ids :func:`stream_id`
     from ``first`` (each round new executions, the same at every size)."""
-    from aiokafka import AIOKafkaProducer
+    from sandbox_lanes_bench.common import produce_creates
 
-    from events.codec import encode
-    from sandbox_lanes_bench.common import created_event
-
-    producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap, acks="all", linger_ms=20, max_batch_size=512 * 1024
-    )
-    await producer.start()
-    try:
-        futures: list[asyncio.Future[Any]] = []
-        with progress(f"produce {n:,} creates", n, enabled=show) as bar:
-            for i in range(first, first + n):
-                eid = stream_id(i)
-                rec = encode(created_event(eid, f"{eid}-created"), source="bench")
-                futures.append(await producer.send(topic, rec.value, key=rec.key, headers=rec.headers))
-                if len(futures) >= 5_000:
-                    await asyncio.gather(*futures)
-                    bar.advance(len(futures))
-                    futures = []
-            await asyncio.gather(*futures)
-            bar.advance(len(futures))
-    finally:
-        await producer.stop()
+    ids = [(stream_id(i), f"{stream_id(i)}-created") for i in range(first, first + n)]
+    await produce_creates(bootstrap, topic, ids, f"produce {n:,} creates", show)
 
 
 @dataclass
