@@ -6,36 +6,25 @@ restored from the compacted topic. An agent execution's events are keyed by its 
 of a session's states sit on one partition: the pod that owns it judges the session, every other
 pod answers ``None`` and leaves it alone.
 
-The index of every session's activity is built from all the held states, so inside the pod (an
-event loop running) it is built by a task beside the sweep, through the store's cursor a slice at
-a time, yielding to the loop between slices (issue 45: no pass holds the loop for what the store
-holds; one build over 1M states held it 1.2 s). The sweep is answered from the last index built,
-at most ``INDEX_TTL_S`` plus one build old; until the first is built, ``None`` (this pass judges
-nothing: the next one will).
+A session's states are read from the store's session index (``HeldStates.referencing``): the
+sweep's question costs what the session holds, never what the store holds (issue 45: the index
+of every session rebuilt from all held states cost 1.2 s of CPU per sweep with 1M states, and
+would have cost 12 s with 10M, every 30 s).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from consumers.lanes.constants import TERMINAL_WORKFLOW_PHASES
 from drivers.agent_sandbox.idle import SessionActivity
-from events.codec import decode_state
 from events.sandbox_lanes.v1 import common_pb2, state_pb2
 
 if TYPE_CHECKING:
     from consumers.runtime.pod import Pod
 
-logger = logging.getLogger("sandbox_lanes.session_activity")
-
-#: One index of the owned states per sweep pass, not one scan per Sandbox.
-INDEX_TTL_S = 1.0
-#: States read (and decoded) per slice of a build, between two yields to the loop.
-SLICE = 256
 #: A stamp further ahead of this pod's clock is skipped (upstream's allowance, spec 4.5): a skewed
 #: producer clock must not keep a sandbox awake until that time passes.
 FUTURE_ALLOWANCE_S = 60.0
@@ -44,52 +33,17 @@ FUTURE_ALLOWANCE_S = 60.0
 class StoreSessionActivity:
     """``SessionActivityReader`` over ``pod.states``."""
 
-    def __init__(
-        self, pod: Pod, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time
-    ) -> None:
+    def __init__(self, pod: Pod, wall: Callable[[], float] = time.time) -> None:
         self._pod = pod
-        self._clock = clock
         self._wall = wall
-        self._built_at: float | None = None
-        self._index: _Tally | None = None
-        self._building: asyncio.Task[None] | None = None
-        #: States read per slice of the last build made beside the loop (what its tests pin).
-        self.slices: list[int] = []
 
     def activity(self, session_id: str) -> SessionActivity | None:
         partition = self._pod.input_partition_of(session_id)
         if partition is None or partition not in self._pod.states.owned():
             return None
-        now = self._clock()
-        if self._built_at is None or now - self._built_at >= INDEX_TTL_S:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop to hold (a tool, a test): built here and now
-                tally = _Tally(self._wall() + FUTURE_ALLOWANCE_S)
-                tally.add(state for _, state in self._pod.states.items())
-                self._index, self._built_at = tally, now
-            else:
-                if self._building is None or self._building.done():
-                    self._building = loop.create_task(self._build_in_slices(now), name="session-activity")
-        return None if self._index is None else self._index.get(session_id)
-
-    async def _build_in_slices(self, started: float) -> None:
-        """A fresh index, read through the store's cursor a slice at a time (a yield after each)."""
-        states = self._pod.states
         tally = _Tally(self._wall() + FUTURE_ALLOWANCE_S)
-        slices: list[int] = []
-        try:
-            for partition in sorted(states.owned()):
-                after: str | None = None
-                while raw := states.scan(partition, after, SLICE):
-                    after = raw[-1][0]
-                    slices.append(len(raw))
-                    tally.add(decode_state(value) for _, value in raw)
-                    await asyncio.sleep(0)
-        except Exception as exc:  # the last index stays; the next question starts another build
-            logger.warning("session activity index not rebuilt", extra={"error": repr(exc)})
-            return
-        self._index, self._built_at, self.slices = tally, started, slices
+        tally.add(state for _, state in self._pod.states.referencing(partition, session_id))
+        return tally.get(session_id)
 
 
 class _Tally:

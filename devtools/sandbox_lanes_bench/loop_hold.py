@@ -11,8 +11,9 @@ for what references it: the pass's worst case, a third of the states); the outco
 in memory. A probe task on the same loop wakes on every turn of the loop (``sleep(0)``) and keeps
 the longest gap between two of its wakes: the longest time something else held the loop. The
 retention check is measured on the backlog, then again after 100k of its keys are tombstoned the
-way the pod's retention does it (500 at a time). Last, the agent-sandbox idle sweep's session
-activity index (one build over every held state).
+way the pod's retention does it (500 at a time). Last, the agent-sandbox idle sweep's question
+of one session's activity (since issue 45 read from the store's session index; before, an index of
+every session built over every held state).
 
 ``python -m sandbox_lanes_bench.loop_hold [--sizes 0,100000,1000000] [--listed 200]`` (under the heavy-run
 lock). The code before issue 45 is measured by the same file with the older tree first on the path.
@@ -231,8 +232,9 @@ async def _one_size(n: int, directory: Path, listed: int) -> dict[str, float]:
 
 
 async def _session_activity_hold(store: Any, probe: _Probe) -> float:
-    """The agent-sandbox idle sweep's first question of a pass: its index of every session's
-    activity, built from the held states (``runtime.session_activity``)."""
+    """The agent-sandbox idle sweep's question of one session's activity (``runtime.session_activity``):
+    since issue 45 read from the store's session index (before: an index of every session built from
+    all held states, at once, then a slice at a time beside the loop)."""
     from consumers.runtime.session_activity import StoreSessionActivity
 
     class _PodStandIn:
@@ -244,11 +246,7 @@ async def _session_activity_hold(store: Any, probe: _Probe) -> float:
     reader = StoreSessionActivity(_PodStandIn())  # type: ignore[arg-type]
 
     async def ask() -> object:
-        answer = reader.activity("ses-0")  # before issue 45: the index built here, at once
-        building = getattr(reader, "_building", None)
-        if building is not None:  # since: built beside the loop; its whole build measured
-            await building
-        return answer
+        return reader.activity("ses-0")
 
     _, hold, _ = await probe.measure(ask)
     return hold

@@ -341,8 +341,8 @@ def test_the_assignment_file_round_trips_awkward_values_through_a_real_shell(tmp
 
 
 class _Store:
-    """The two reads StoreSessionActivity makes of a pod's held states (the real one is exercised by the
-    idle-sweep test through Kafka in test_agent_sandbox_driver.py)."""
+    """The two reads StoreSessionActivity makes of a pod's held states (the real stores' session index:
+    test_state_session_index.py; the idle sweep through Kafka: test_agent_sandbox_driver.py)."""
 
     def __init__(self, states: list[Any]) -> None:
         self._states = states
@@ -350,8 +350,10 @@ class _Store:
     def owned(self) -> set[int]:
         return {0}
 
-    def items(self) -> Any:
-        return iter((s.execution_id, s) for s in self._states)
+    def referencing(self, partition: int, session_id: str) -> Any:
+        from consumers.lanes.reap import sessions_referenced
+
+        return iter((s.execution_id, s) for s in self._states if session_id in sessions_referenced(s))
 
 
 class _Pod:

@@ -16,10 +16,10 @@ from typing import Protocol
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from events.sandbox_lanes.v1 import state_pb2
 
-#: The layout of what a disk store keeps (keys, due-time index, outbox index, checkpoint). A
-#: checkpoint written by another format is refused: the partition is restored in full (2: the outbox
-#: index, which a database of format 1 lacks).
-STATE_FORMAT_VERSION = 2
+#: The layout of what a disk store keeps (keys, due-time index, outbox index, session index,
+#: checkpoint). A checkpoint written by another format is refused: the partition is restored in full
+#: (2: the outbox index, which a database of format 1 lacks; 3: the session index).
+STATE_FORMAT_VERSION = 3
 #: How often a pod moves its store's checkpoints forward (a disk store's; the memory store has none).
 CHECKPOINT_INTERVAL_S = 5.0
 
@@ -78,6 +78,12 @@ class HeldStates(Protocol):
         """A cursor over a partition's states: up to ``limit`` (key, serialized state) with keys past
         ``after`` (None: from the first), in key order; pass the last key back for the next slice.
         A periodic pass reads the store this way, a bounded slice per turn of the loop."""
+        ...
+
+    def referencing(self, partition: int, session_id: str) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
+        """The partition's states that reference the session (its executions, and those recording its
+        sandbox: :func:`~consumers.lanes.reap.sessions_referenced`), in key order, from the store's
+        session index: a read that grows with the session, never with what else the partition holds."""
         ...
 
     def __len__(self) -> int: ...

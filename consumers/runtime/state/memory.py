@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from aiokafka import TopicPartition
 from google.protobuf.message import DecodeError as ProtobufDecodeError
 
+from consumers.lanes.reap import sessions_referenced
 from consumers.lanes.retention import removable_from
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.kafka.topic_reader import read_to_end
@@ -47,6 +48,9 @@ class MemoryStore:
         self._discarded: dict[int, str] = {}
         #: Per partition, the keys whose state has driver calls pending (:meth:`pending_items`).
         self._outbox: dict[int, set[str]] = {}
+        #: Per partition, the session index (:meth:`referencing`): session id -> the keys of the
+        #: states referencing it, and per key the sessions it was indexed under.
+        self._sessions: dict[int, _SessionIndex] = {}
 
     def get(self, partition: int, key: str) -> state_pb2.ExecutionState | None:
         raw = self._partitions.get(partition, {}).get(key)
@@ -60,11 +64,14 @@ class MemoryStore:
             outbox.add(key)
         else:
             outbox.discard(key)
+        self._sessions.setdefault(partition, _SessionIndex()).index(key, sessions_referenced(state))
 
     def delete(self, partition: int, key: str) -> None:
         self._partitions.get(partition, {}).pop(key, None)
         self._removable.get(partition, {}).pop(key, None)
         self._outbox.get(partition, set()).discard(key)
+        if (sessions := self._sessions.get(partition)) is not None:
+            sessions.index(key, set())
 
     def apply(
         self,
@@ -125,6 +132,7 @@ class MemoryStore:
             self._partitions.pop(p, None)
             self._removable.pop(p, None)
             self._outbox.pop(p, None)
+            self._sessions.pop(p, None)
 
     def discard(self, partitions: Iterable[int], reason: str) -> None:
         """Throw the partitions' states away (nothing of them is on disk): the next restore rebuilds
@@ -164,6 +172,14 @@ class MemoryStore:
             if raw is not None:
                 yield key, decode_state(raw)
 
+    def referencing(self, partition: int, session_id: str) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
+        part = self._partitions.get(partition, {})
+        index = self._sessions.get(partition)
+        for key in sorted(index.keys_of(session_id) if index is not None else ()):
+            raw = part.get(key)
+            if raw is not None:
+                yield key, decode_state(raw)
+
     def __len__(self) -> int:
         return sum(len(p) for p in self._partitions.values())
 
@@ -186,6 +202,7 @@ class MemoryStore:
         #: When each restored finished state may be removed (only a float is kept per key).
         removable: dict[int, dict[str, float]] = {p: {} for p in wanted}
         outbox: dict[int, set[str]] = {p: set() for p in wanted}
+        sessions: dict[int, _SessionIndex] = {p: _SessionIndex() for p in wanted}
         seen_at = time.time()
         tps = [TopicPartition(self.topic, p) for p in wanted]
         async for tp, recs in read_to_end(
@@ -204,6 +221,7 @@ class MemoryStore:
                     fresh[tp.partition].pop(key, None)
                     removable[tp.partition].pop(key, None)
                     outbox[tp.partition].discard(key)
+                    sessions[tp.partition].index(key, set())
                     continue
                 try:
                     state = decode_state(rec.value)  # only what decodes is kept
@@ -212,6 +230,7 @@ class MemoryStore:
                         outbox[tp.partition].add(key)
                     else:
                         outbox[tp.partition].discard(key)
+                    sessions[tp.partition].index(key, sessions_referenced(state))
                     at = removable_from(state, self.retention_s, seen_at)
                     if at is None:
                         removable[tp.partition].pop(key, None)
@@ -226,6 +245,7 @@ class MemoryStore:
         self._partitions.update(fresh)
         self._removable.update(removable)
         self._outbox.update(outbox)
+        self._sessions.update(sessions)
         self._heap.extend((at, p, key) for p, keys in removable.items() for key, at in keys.items())
         heapq.heapify(self._heap)
         report = RestoreReport(
@@ -246,3 +266,31 @@ class MemoryStore:
             },
         )
         return report
+
+
+class _SessionIndex:
+    """One partition's session index in memory: session id -> keys, and key -> its sessions."""
+
+    def __init__(self) -> None:
+        self._keys: dict[str, set[str]] = {}
+        self._of: dict[str, frozenset[str]] = {}
+
+    def index(self, key: str, sessions: set[str]) -> None:
+        old = self._of.get(key, frozenset())
+        if old == sessions:
+            return
+        for session in old - sessions:
+            keys = self._keys.get(session)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._keys[session]
+        for session in sessions - old:
+            self._keys.setdefault(session, set()).add(key)
+        if sessions:
+            self._of[key] = frozenset(sessions)
+        else:
+            self._of.pop(key, None)
+
+    def keys_of(self, session_id: str) -> set[str]:
+        return set(self._keys.get(session_id, ()))

@@ -35,6 +35,7 @@ from consumers.runtime.state.rocksdb_partition import (
     STATE_PREFIX,
     ms_key,
     prefixed,
+    session_entry,
     within,
 )
 from consumers.runtime.state.rocksdb_restore import RestoringDatabases
@@ -83,6 +84,19 @@ class RocksDBStore(RestoringDatabases):
                 if raw is not None:
                     yield key.decode("utf-8", errors="replace"), decode_state(raw)
 
+    def referencing(self, partition: int, session_id: str) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
+        """The partition's states that reference the session (its executions, and those recording
+        its sandbox), in key order, from the session index: what they are, whatever else it holds."""
+        part = self._parts.get(partition)
+        if part is None:
+            return
+        with guarded(partition, writing=False):
+            keys = [key for key, _ in prefixed(part.db, session_entry(session_id.encode()))]
+            for key in keys:
+                raw = part.db.get(STATE_PREFIX + key)
+                if raw is not None:
+                    yield key.decode("utf-8", errors="replace"), decode_state(raw)
+
     def items(self) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
         for partition in list(self._parts):
             yield from self.partition_items(partition)
@@ -95,7 +109,8 @@ class RocksDBStore(RestoringDatabases):
             return []
         found: list[tuple[str, bytes]] = []
         with guarded(partition, writing=False):
-            it = part.db.iter(within(STATE_PREFIX))
+            bound = within(STATE_PREFIX)  # held for the iterator's life (see ``prefixed``)
+            it = part.db.iter(bound)
             try:
                 it.seek(STATE_PREFIX if after is None else STATE_PREFIX + after.encode() + b"\x00")
                 while it.valid() and len(found) < limit:
@@ -106,7 +121,7 @@ class RocksDBStore(RestoringDatabases):
                     it.next()
                 it.status()
             finally:
-                del it
+                del it, bound
         return found
 
     def due(self, now: float, limit: int) -> dict[int, list[str]]:

@@ -10,6 +10,12 @@ The database lives in ``<state dir>/<topic>/<partition>`` and keeps, under one-l
 * ``o<key>``: the outbox index, one empty entry per state with driver calls pending, so a take-over
   re-runs them reading those states only
   (:meth:`~consumers.runtime.state.rocksdb.RocksDBStore.pending_items`), never every state held;
+* ``x<session><key>`` (the session id length-prefixed, :func:`session_entry`): the session index,
+  one empty entry per state and session it references (:func:`~consumers.lanes.reap.sessions_referenced`),
+  and ``y<key>``: the sessions the state's entries were written for, so the next write of the key
+  removes the entries it no longer has without decoding the old state. The idle sweep and the reaper
+  read a session's states from it (:meth:`~consumers.runtime.state.rocksdb.RocksDBStore.referencing`),
+  never the partition through;
 * ``m:checkpoint``: the state topic's offset the database reflects, with what it belongs to
   (topic name and id, partition, isolation level, format version, retention); ``m:count``: keys.
 
@@ -29,6 +35,7 @@ from typing import Any
 
 from rocksdict import BlockBasedOptions, Cache, Options, Rdict, ReadOptions, WriteBatch, WriteBufferManager
 
+from consumers.lanes.reap import sessions_referenced
 from consumers.lanes.retention import removable_from
 from events.sandbox_lanes.v1 import state_pb2
 
@@ -38,6 +45,8 @@ STATE_PREFIX = b"s"
 REMOVABLE_PREFIX = b"r"
 DUE_PREFIX = b"d"
 OUTBOX_PREFIX = b"o"
+SESSION_PREFIX = b"x"
+REFERENCES_PREFIX = b"y"
 CHECKPOINT_KEY = b"m:checkpoint"
 COUNT_KEY = b"m:count"
 
@@ -50,6 +59,27 @@ BLOCK_CACHE_BYTES = 32 * 1024 * 1024
 def ms_key(at: float) -> bytes:
     """A time as the index orders it: milliseconds, 8 bytes big-endian."""
     return struct.pack(">Q", max(0, int(at * 1000)))
+
+
+def session_entry(session_id: bytes) -> bytes:
+    """The session index's prefix for one session: its id's length (2 bytes), then the id, so one
+    session's prefix never starts another's (``"a"`` and ``"ab"``)."""
+    return SESSION_PREFIX + struct.pack(">H", len(session_id)) + session_id
+
+
+def pack_sessions(sessions: list[bytes]) -> bytes:
+    """A ``y<key>`` value: the sessions, each length-prefixed (2 bytes)."""
+    return b"".join(struct.pack(">H", len(s)) + s for s in sessions)
+
+
+def unpack_sessions(raw: bytes) -> list[bytes]:
+    found: list[bytes] = []
+    at = 0
+    while at + 2 <= len(raw):
+        (n,) = struct.unpack_from(">H", raw, at)
+        found.append(raw[at + 2 : at + 2 + n])
+        at += 2 + n
+    return found
 
 
 def database_options(memtables: WriteBufferManager, cache: Cache) -> Options:
@@ -136,8 +166,12 @@ class RocksDBPartition:
             batch.delete(REMOVABLE_PREFIX + key)
             if existed:
                 batch.delete(OUTBOX_PREFIX + key)
+                self._index_sessions(batch, key, [])
             return -1 if existed else 0
         batch.put(STATE_PREFIX + key, raw)
+        self._index_sessions(
+            batch, key, sorted(s.encode() for s in sessions_referenced(state)), existed=existed
+        )
         if state.pending:
             batch.put(OUTBOX_PREFIX + key, b"")
         elif existed:  # an outbox entry exists only beside its state: a new key has none to remove
@@ -150,6 +184,24 @@ class RocksDBPartition:
             batch.put(DUE_PREFIX + ms_key(at) + key, b"")
             self.due_floor = min(self.due_floor, ms_key(at) + key)
         return 0 if existed else 1
+
+    def _index_sessions(
+        self, batch: WriteBatch, key: bytes, sessions: list[bytes], existed: bool = True
+    ) -> None:
+        """Stage the session index's entries of ``key`` for ``sessions`` (sorted), removing those
+        of sessions its last write referenced and this one does not. A new key has none to read."""
+        old_raw = self.db.get(REFERENCES_PREFIX + key) if existed else None
+        old = unpack_sessions(old_raw) if old_raw else []
+        if old == sessions:
+            return
+        for session in set(old) - set(sessions):
+            batch.delete(session_entry(session) + key)
+        for session in sessions:
+            batch.put(session_entry(session) + key, b"")
+        if sessions:
+            batch.put(REFERENCES_PREFIX + key, pack_sessions(sessions))
+        else:
+            batch.delete(REFERENCES_PREFIX + key)
 
     def close(self) -> None:
         self.db.close()
@@ -177,7 +229,8 @@ def within(prefix: bytes) -> ReadOptions:
 def prefixed(db: Rdict, prefix: bytes, start: bytes = b"") -> Iterator[tuple[bytes, bytes]]:
     """The entries whose key starts with ``prefix``, the prefix cut off, in key order (from
     ``prefix + start``)."""
-    it = db.iter(within(prefix))
+    bound = within(prefix)  # held for the iterator's life: it reads the bound, rocksdict does not keep it
+    it = db.iter(bound)
     try:
         it.seek(prefix + start)
         while it.valid():
@@ -188,4 +241,4 @@ def prefixed(db: Rdict, prefix: bytes, start: bytes = b"") -> Iterator[tuple[byt
             it.next()
         it.status()  # an iterator that stopped on a damaged block says so only here
     finally:
-        del it
+        del it, bound
