@@ -154,3 +154,27 @@ async def test_a_real_producers_broker_wait_is_declared_to_the_loop_it_runs_for(
             await task
         producer.close()
     assert watch.assess().waiting_for == ""
+
+
+async def test_a_fetch_around_an_unparsable_record_held_by_the_client_is_let_go_and_declared() -> None:
+    """aiokafka holds a fetch through a rebalance: the scan past a bad record lets it go past its
+    timeout (nothing fetched: the reader meets the record again) and the loop declares the wait
+    while it lasts. The real scan past bad records: tests/integration/test_bad_records.py."""
+    from aiokafka import TopicPartition
+
+    from consumers.runtime.kafka import unparsable
+
+    watch = LoopWatch()
+    seen: list[str] = []
+
+    class HeldConsumer:
+        async def getmany(self, *_: object, **__: object) -> dict[TopicPartition, list[object]]:
+            seen.append(watch.assess().waiting_for)
+            await asyncio.Event().wait()  # a rebalance that never settles
+            raise AssertionError("unreachable")
+
+    with watch.serving():
+        got = await unparsable._fetch(HeldConsumer(), TopicPartition("in", 0), 50, 10)  # type: ignore[arg-type]
+    assert got == {}
+    assert seen and seen[0].startswith("a fetch around an unparsable record"), seen
+    assert watch.assess().waiting_for == ""

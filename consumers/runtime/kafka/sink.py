@@ -150,9 +150,12 @@ class AtLeastOnceSink:
                         topic, record.value, key=record.key, headers=record.headers, partition=partition
                     )
             return
-        future = await self.producer.send(
-            topic, record.value, key=record.key, headers=record.headers, partition=partition
-        )
+        # The producer's buffer full (a broker away), ``send`` waits for room: a bounded wait too.
+        with bounded_wait("room in the producer's buffer", self._deadline_s):
+            async with asyncio.timeout(self._deadline_s):
+                future = await self.producer.send(
+                    topic, record.value, key=record.key, headers=record.headers, partition=partition
+                )
         self._futures.append(future)
 
     async def delete(self, topic: str, key: bytes, partition: int) -> None:
@@ -161,7 +164,10 @@ class AtLeastOnceSink:
                 async with asyncio.timeout(self._deadline_s):
                     await self.producer.send_and_wait(topic, None, key=key, partition=partition)
             return
-        self._futures.append(await self.producer.send(topic, None, key=key, partition=partition))
+        with bounded_wait("room in the producer's buffer", self._deadline_s):
+            async with asyncio.timeout(self._deadline_s):
+                future = await self.producer.send(topic, None, key=key, partition=partition)
+        self._futures.append(future)
 
     async def commit(self, offsets: Mapping[TopicPartition, int]) -> None:
         waiting = bounded_wait("the writes' acknowledgements and the offsets' commit", self._deadline_s)

@@ -15,6 +15,7 @@ stands (the pod: its committed offset, where each turn leaves every partition).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from typing import NamedTuple
 from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from consumers.runtime.failure_policy import parse_fault
+from consumers.runtime.loop_watch import bounded_wait
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
@@ -33,6 +35,9 @@ RecordRef = tuple[str, int, int]
 _PLACEHOLDER_TIMESTAMP_TYPE = -1
 #: Records fetched one at a time ahead of a bad one at most, before they are handed on.
 _AHEAD_MAX = 2_000
+#: Past its timeout by this much a fetch is let go, as the pod's own fetch is (aiokafka holds one
+#: for as long as a rebalance takes): nothing is taken from the buffer, the reader meets it again.
+_FETCH_GRACE_S = 1.0
 
 
 class Doom(NamedTuple):
@@ -74,6 +79,21 @@ def _failed_offset(consumer: AIOKafkaConsumer, tp: TopicPartition, after: int) -
     return offset if isinstance(offset, int) and offset >= after else after
 
 
+async def _fetch(
+    consumer: AIOKafkaConsumer, tp: TopicPartition, poll_ms: int, max_records: int
+) -> dict[TopicPartition, Records]:
+    """One partition's fetch, let go (nothing) past its timeout; a declared wait of the loop."""
+    bound_s = poll_ms / 1000 + _FETCH_GRACE_S
+    with bounded_wait("a fetch around an unparsable record", bound_s):
+        try:
+            got: dict[TopicPartition, Records] = await asyncio.wait_for(
+                consumer.getmany(tp, timeout_ms=poll_ms, max_records=max_records), bound_s
+            )
+        except TimeoutError:
+            return {}
+    return got
+
+
 def _placeholder(tp: TopicPartition, offset: int, timestamp: int) -> ConsumerRecord[bytes, bytes]:
     return ConsumerRecord(
         tp.topic, tp.partition, offset, timestamp, _PLACEHOLDER_TIMESTAMP_TYPE, None, None, None, -1, -1, ()
@@ -88,7 +108,7 @@ async def _locate(
     while len(ahead) < _AHEAD_MAX:
         position = await consumer.position(tp)
         try:
-            got = await consumer.getmany(tp, timeout_ms=poll_ms, max_records=1)
+            got = await _fetch(consumer, tp, poll_ms, 1)
         except Exception as exc:
             if not parse_fault(exc):
                 raise
@@ -120,7 +140,7 @@ async def fetch_around_unparsable(
     try:
         for tp in candidates:
             try:
-                got = await consumer.getmany(tp, timeout_ms=poll_ms, max_records=max_records)
+                got = await _fetch(consumer, tp, poll_ms, max_records)
             except Exception as exc:
                 if not parse_fault(exc):
                     raise
