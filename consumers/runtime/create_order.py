@@ -29,6 +29,12 @@ record, however late its stamp: its clock may run ahead of the record's (before,
 later released it, so a producer whose clock ran ahead released other producers' records early). A
 create stamped in the same millisecond as the record may have been made after it: not enough. A
 record or create without a ``ce_source`` takes no shortcut.
+
+A record counts as seen when the fetch that brought it was decided (every record of a fetch was
+appended before it was answered), so the records fetched behind a held one are seen with it: a
+backlog of held records (early phase changes, session deletes) waits out one confirmation
+together, not one after the other (about 4 s each before). The confirmation is kept per cohort
+(the partition and the time its records were seen): the same facts vouch for every record of it.
 """
 
 from __future__ import annotations
@@ -81,8 +87,24 @@ class CreateOrderGate:
         self._unapplied_upto: dict[int, int] = {}
         #: When the pod first looked at each held record (its own wall clock, ms).
         self._held_since: dict[tuple[str, int, int], int] = {}
-        #: When a fetch first showed each held record's create partition caught up (ms, pod's clock).
+        #: Per cohort (topic, partition, seen ms): when a fetch first showed its create partition
+        #: caught up (ms, pod's clock). Kept until its topic partition's fetched range moves on.
         self._caught_up_at: dict[tuple[str, int, int], int] = {}
+        #: Per input partition: the last offset of the fetch being decided and when it was decided
+        #: (ms): every record up to that offset was appended by then.
+        self._fetched: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def fetched(self, topic: str, partition: int, first: int, last: int) -> None:
+        """A fetch of ``first``..``last`` of that partition is being decided: those records were all
+        appended by now. A range still ahead of ``first`` is kept (its time is the earlier)."""
+        known = self._fetched.get((topic, partition))
+        if known is None or known[0] < first:
+            now = int(time.time() * 1000)
+            self._fetched[(topic, partition)] = (last, now)
+            # Every record seen before now lies behind this fetch: their cohorts are done with.
+            self._caught_up_at = {
+                c: t for c, t in self._caught_up_at.items() if c[:2] != (topic, partition) or c[2] >= now
+            }
 
     def begin(self, partition: int, last_create_offset: int | None = None) -> None:
         """A transaction for ``partition`` starts from what was committed; ``last_create_offset``:
@@ -126,7 +148,8 @@ class CreateOrderGate:
         self._in_progress.pop(partition, None)
         self._unapplied_upto.pop(partition, None)
         self._held_since = {ref: t for ref, t in self._held_since.items() if ref[1] != partition}
-        self._caught_up_at = {ref: t for ref, t in self._caught_up_at.items() if ref[1] != partition}
+        self._caught_up_at = {c: t for c, t in self._caught_up_at.items() if c[1] != partition}
+        self._fetched = {tp: f for tp, f in self._fetched.items() if tp[1] != partition}
 
     def holds(self, topic: str, partition: int, offset: int) -> bool:
         """Is that record held now (looked at, and not yet applied or dead-lettered)?"""
@@ -135,7 +158,6 @@ class CreateOrderGate:
     def settled(self, rec: ConsumerRecord[bytes, bytes]) -> None:
         """The record was applied or dead-lettered: it is no longer held."""
         self._held_since.pop((rec.topic, rec.partition, rec.offset), None)
-        self._caught_up_at.pop((rec.topic, rec.partition, rec.offset), None)
 
     async def may_follow(self, consumer: AIOKafkaConsumer, rec: ConsumerRecord[bytes, bytes]) -> bool:
         """Could a create produced before this record still be unapplied on its partition number?"""
@@ -146,7 +168,13 @@ class CreateOrderGate:
             self._held_since.clear()
             self._caught_up_at.clear()
         ref = (rec.topic, rec.partition, rec.offset)
-        seen_ms = self._held_since.setdefault(ref, int(time.time() * 1000))
+        seen_ms = self._held_since.get(ref)
+        if seen_ms is None:
+            fetched = self._fetched.get((rec.topic, rec.partition))
+            now = int(time.time() * 1000)
+            seen_ms = min(now, fetched[1]) if fetched is not None and rec.offset <= fetched[0] else now
+            self._held_since[ref] = seen_ms
+        cohort = (rec.topic, rec.partition, seen_ms)
         source = source_of(rec.headers)
         if source is not None and self._in_progress.get(rec.partition, {}).get(source, -1) > rec.timestamp:
             return False  # its own producer's create stamped after it was applied (same ms: maybe not)
@@ -158,7 +186,7 @@ class CreateOrderGate:
             return True  # no answer from that partition's leader since the record was seen
         position = await consumer.position(created)  # known (fetched): no broker round trip
         if position < highwater:
-            self._caught_up_at.pop(ref, None)
+            self._caught_up_at.pop(cohort, None)
             return True
-        caught_up = self._caught_up_at.setdefault(ref, polled)
+        caught_up = self._caught_up_at.setdefault(cohort, polled)
         return bool(polled < caught_up + CAUGHT_UP_CONFIRM_MS)

@@ -178,6 +178,9 @@ class PartitionTransaction:
     async def decide(self, batch: Mapping[TopicPartition, Records]) -> None:
         """Decide the fetched records; stopping ends early and hands the rest back (not committed)."""
         created_topic = self.config.topics.execution_created
+        for tp, recs in batch.items():
+            if recs:
+                self.gate.fetched(tp.topic, tp.partition, recs[0].offset, recs[-1].offset)
         # The inputs are separate topics: merge the partitions by record time (creates first
         # on a tie), each partition's own order kept, so a create is applied before the phase
         # changes produced after it even when one fetch returned both.

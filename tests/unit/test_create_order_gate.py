@@ -189,3 +189,47 @@ async def test_holds_says_which_records_are_held() -> None:
     assert gate.holds("phase-changed", 0, 7)
     gate.settled(rec)
     assert not gate.holds("phase-changed", 0, 7)
+
+
+def _at(offset: int) -> ConsumerRecord[bytes, bytes]:
+    return ConsumerRecord("phase-changed", 0, offset, 1_000, 0, b"k", b"v", None, 1, 1, [])
+
+
+async def test_records_fetched_behind_a_held_one_wait_out_its_confirmation_with_it() -> None:
+    """A backlog of held records fetched together goes on together once the first is confirmed (it
+    took one confirmation each, about 4 s per record, before). A record fetched later waits its own."""
+    gate, facts = CreateOrderGate("execution-created"), _Consumer(highwater_=5, position_=5)
+    gate.fetched("phase-changed", 0, 7, 9)  # offsets 7-9 in one fetch, decided now
+    now = int(time.time() * 1000)
+    facts.polled_ms = now + CREATE_APPEND_MARGIN_MS + 1
+    assert await gate.may_follow(facts, _at(7))  # type: ignore[arg-type]  # caught up, not confirmed
+    facts.polled_ms += CAUGHT_UP_CONFIRM_MS
+    assert not await gate.may_follow(facts, _at(7))  # type: ignore[arg-type]
+    gate.settled(_at(7))
+    for offset in (8, 9):  # the next turns: the same facts vouch for them
+        assert not await gate.may_follow(facts, _at(offset))  # type: ignore[arg-type]
+        gate.settled(_at(offset))
+    time.sleep(0.002)  # a later millisecond (records seen in the same one are vouched for alike)
+    gate.fetched("phase-changed", 0, 10, 10)  # fetched now: not vouched for by the answers before
+    assert await gate.may_follow(facts, _at(10))  # type: ignore[arg-type]
+    facts.position_ = 4  # and not caught up on a later answer: the cohort's confirmation is gone
+    facts.polled_ms += CREATE_APPEND_MARGIN_MS + 1
+    assert await gate.may_follow(facts, _at(10))  # type: ignore[arg-type]
+
+
+async def test_a_record_fetched_again_keeps_the_time_of_its_first_fetch() -> None:
+    """A fetch from a held record again (the partition resumes at it) keeps the earlier range's time."""
+    gate, facts = CreateOrderGate("execution-created"), _Consumer(highwater_=5, position_=5)
+    gate.fetched("phase-changed", 0, 7, 9)
+    first = int(time.time() * 1000)
+    facts.polled_ms = first + CREATE_APPEND_MARGIN_MS + 1
+    assert await gate.may_follow(facts, _at(7))  # type: ignore[arg-type]
+    time.sleep(0.01)  # the next turn fetches 7-12: 7-9 were appended by the first fetch already
+    gate.fetched("phase-changed", 0, 7, 12)
+    facts.polled_ms += CAUGHT_UP_CONFIRM_MS
+    assert not await gate.may_follow(facts, _at(7))  # type: ignore[arg-type]
+    gate.settled(_at(7))
+    assert not await gate.may_follow(facts, _at(9))  # type: ignore[arg-type]  # the first fetch's cohort
+    gate.settled(_at(9))
+    gate.forget(0)  # the partition moved away: nothing of it is kept
+    assert await gate.may_follow(facts, _at(8))  # type: ignore[arg-type]
