@@ -155,6 +155,10 @@ class CreateOrderGate:
         """Is that record held now (looked at, and not yet applied or dead-lettered)?"""
         return (topic, partition, offset) in self._held_since
 
+    def seen_at(self, topic: str, partition: int, offset: int) -> int | None:
+        """When a held record counts as seen (ms, the pod's clock): its cohort. None: not held."""
+        return self._held_since.get((topic, partition, offset))
+
     def settled(self, rec: ConsumerRecord[bytes, bytes]) -> None:
         """The record was applied or dead-lettered: it is no longer held."""
         self._held_since.pop((rec.topic, rec.partition, rec.offset), None)

@@ -74,12 +74,6 @@ class HeldStates(Protocol):
 
     def items(self) -> Iterator[tuple[str, state_pb2.ExecutionState]]: ...
 
-    def scan(self, partition: int, after: str | None, limit: int) -> list[tuple[str, bytes]]:
-        """A cursor over a partition's states: up to ``limit`` (key, serialized state) with keys past
-        ``after`` (None: from the first), in key order; pass the last key back for the next slice.
-        A periodic pass reads the store this way, a bounded slice per turn of the loop."""
-        ...
-
     def referencing(self, partition: int, session_id: str) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
         """The partition's states that reference the session (its executions, and those recording its
         sandbox: :func:`~consumers.lanes.reap.sessions_referenced`), in key order, from the store's

@@ -153,14 +153,6 @@ class MemoryStore:
             for key, raw in part.items():
                 yield key, decode_state(raw)
 
-    def scan(self, partition: int, after: str | None, limit: int) -> list[tuple[str, bytes]]:
-        """Up to ``limit`` serialized states with keys past ``after``, in key order (see
-        :meth:`~consumers.runtime.state.interface.HeldStates.scan`). Each slice looks at every key
-        of the partition (a dict has no order to seek in): bounded slices are the disk store's."""
-        part = self._partitions.get(partition, {})
-        keys = heapq.nsmallest(limit, (k for k in part if after is None or k > after))
-        return [(k, part[k]) for k in keys]
-
     def partition_items(self, partition: int) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
         for key, raw in list(self._partitions.get(partition, {}).items()):
             yield key, decode_state(raw)

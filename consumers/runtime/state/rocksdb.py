@@ -36,7 +36,6 @@ from consumers.runtime.state.rocksdb_partition import (
     ms_key,
     prefixed,
     session_entry,
-    within,
 )
 from consumers.runtime.state.rocksdb_restore import RestoringDatabases
 from events.codec import decode_state
@@ -100,29 +99,6 @@ class RocksDBStore(RestoringDatabases):
     def items(self) -> Iterator[tuple[str, state_pb2.ExecutionState]]:
         for partition in list(self._parts):
             yield from self.partition_items(partition)
-
-    def scan(self, partition: int, after: str | None, limit: int) -> list[tuple[str, bytes]]:
-        """Up to ``limit`` serialized states with keys past ``after``, in key order (see
-        :meth:`~consumers.runtime.state.interface.HeldStates.scan`): one seek, no iterator kept."""
-        part = self._parts.get(partition)
-        if part is None or limit <= 0:
-            return []
-        found: list[tuple[str, bytes]] = []
-        with guarded(partition, writing=False):
-            bound = within(STATE_PREFIX)  # held for the iterator's life (see ``prefixed``)
-            it = part.db.iter(bound)
-            try:
-                it.seek(STATE_PREFIX if after is None else STATE_PREFIX + after.encode() + b"\x00")
-                while it.valid() and len(found) < limit:
-                    key = it.key()
-                    if not key.startswith(STATE_PREFIX):
-                        break
-                    found.append((key[1:].decode("utf-8", errors="replace"), it.value()))
-                    it.next()
-                it.status()
-            finally:
-                del it, bound
-        return found
 
     def due(self, now: float, limit: int) -> dict[int, list[str]]:
         """Keys whose state may be removed now, per partition (at most ``limit`` in all), read from
