@@ -33,6 +33,8 @@ TOPIC_LIMIT_BYTES = 2_000
 REFUSED_BYTES = 20_000
 #: How long the test keeps producing after the refused record, waiting for the broker's answer.
 ANSWER_DEADLINE_S = 30.0
+#: A partition the test topics do not have: librdkafka answers a record for it at once, never queues it.
+MISSING_PARTITION = 99
 
 
 async def _topic(bootstrap: str, name: str) -> None:
@@ -69,6 +71,37 @@ async def _committed_values(bootstrap: str, topic: str) -> list[bytes]:
         return values
     finally:
         await reader.stop()
+
+
+async def _partitions_known(producer: TxnProducer, topic: str) -> None:
+    """librdkafka holds ``topic``'s metadata: a record for a partition it lacks is then refused at once
+    (``_UNKNOWN_PARTITION``), not queued until metadata comes (and failed later, inside the transaction)."""
+    metadata = await asyncio.to_thread(producer._handle.list_topics, topic, 10.0)
+    assert sorted(metadata.topics[topic].partitions) == [0, 1], metadata.topics[topic]
+
+
+async def _until_abortable(producer: TxnProducer, topic: str) -> float:
+    """Wait, up to :data:`ANSWER_DEADLINE_S`, until librdkafka has put the open transaction in its
+    abortable state (the broker's refusal has arrived), serving no delivery report; the seconds it took.
+
+    librdkafka shows that state only in what it refuses: a record for a partition the topic lacks is
+    answered ``_STATE`` once the transaction is abortable, ``_UNKNOWN_PARTITION`` before, and never
+    queued (:func:`_partitions_known` first). ``poll()`` or ``flush()`` would show it as well, but they
+    serve the reports, and the scene waited for is the one where nobody has."""
+    handle = producer._handle
+    began = time.monotonic()
+    while True:
+        try:
+            handle.produce(topic, key=b"probe", value=b"", partition=MISSING_PARTITION)
+        except KafkaException as exc:
+            code = exc.args[0].code()
+            if code == KafkaError._STATE:
+                return time.monotonic() - began
+            assert code == KafkaError._UNKNOWN_PARTITION, repr(exc)
+        else:
+            raise AssertionError("the probe record was queued: the scene is spoiled (topic metadata unknown)")
+        assert time.monotonic() - began < ANSWER_DEADLINE_S, f"no refusal within {ANSWER_DEADLINE_S:g} s"
+        await asyncio.sleep(0.005)  # pacing only: the verdict is the probe's answer
 
 
 def _producer(bootstrap: str, run: str) -> TxnProducer:
@@ -146,28 +179,39 @@ async def test_a_record_refused_mid_transaction_fails_the_later_produce_with_its
 async def test_a_record_refused_just_before_the_commit_fails_the_commit_with_its_own_error(
     kafka_bootstrap: str,
 ) -> None:
-    """No produce() after the refused record: the commit's flush meets the refusal and librdkafka
-    answers ``_INCONSISTENT`` ("failed delivery, see individual delivery reports"). The report is
-    served and its error is the commit's answer, naming the record (CI found the pod reading the
-    bare ``_INCONSISTENT`` as the world's, retrying a dead letter no ACL let it write for ever)."""
+    """No produce() after the refused record, and its refusal arrived before the commit starts (as when
+    the pod's batch is long): librdkafka fails the commit at once, from its abortable state, with no
+    record named and the delivery reports unserved. The reports are served then and the refused
+    record's error is the commit's answer, naming it (CI found the pod reading librdkafka's bare
+    answer as the world's, retrying a dead letter no ACL let it write for ever). Fails if the commit
+    took the other path (its own flush serving the reports: named without that step)."""
     run = uuid.uuid4().hex[:8]
     topic = f"refusing-at-commit-{run}"
     await _topic(kafka_bootstrap, topic)
     producer = _producer(kafka_bootstrap, run)
     try:
         await producer.init()
+        await _partitions_known(producer, topic)
         producer.begin()
         await producer.produce(topic, b"ordinary", b"ordinary", None, 0)
         await producer.produce(topic, b"r" * REFUSED_BYTES, b"the-refused-one", None, 1)
-        # The broker's refusal arrives before the commit starts (as when the pod's batch is long):
-        # librdkafka then fails the commit at once, its reports unserved. Waiting here only sets the
-        # scene; the verdict is the commit's answer.
-        await asyncio.sleep(2.0)
+        abortable_after_s = await _until_abortable(producer, topic)
         with pytest.raises(MessageSizeTooLargeError) as raised:
             await producer.commit({})
-        print(f"\ncommit() answered {type(raised.value).__name__}: {raised.value}")
+        # What commit() answered before the reports were served (the exception it replaced).
+        first = raised.value.__cause__
+        print(
+            f"\nabortable {abortable_after_s * 1000:.0f} ms after the refused record was handed over; "
+            f"commit() answered {type(raised.value).__name__}: {raised.value}\n  in place of: {first!r}"
+        )
         assert is_deterministic(raised.value), repr(raised.value)
         assert f"{topic} [1] key 'the-refused-one'" in str(raised.value), str(raised.value)
+        # The path meant: librdkafka's own answer, translated and naming no record, replaced by the
+        # served report's error. Through the commit's own flush, the record's error comes straight
+        # from librdkafka's exception (nothing in between).
+        assert not isinstance(first, KafkaException), f"the commit's own flush served the report: {first!r}"
+        assert isinstance(first, Exception) and isinstance(first.__cause__, KafkaException), repr(first)
+        assert "the-refused-one" not in str(first), repr(first)
         await producer.abort()
     finally:
         producer.close()
