@@ -18,6 +18,7 @@ pytest_plugins = [
     "tests.support.fixtures.agent_sandbox",
     "tests.support.fixtures.toxiproxy",
     "tests.support.fixtures.release",
+    "tests.support.fixtures.pods",
 ]
 
 

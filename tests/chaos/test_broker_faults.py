@@ -28,9 +28,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import socket
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +37,7 @@ import pytest
 from harness.kafka_broker import KafkaCluster
 
 from consumers.ops.settings import load_settings
+from consumers.tools.embedded_broker import free_port
 from tests.support.broker_faults import (
     OrderedFeed,
     OutcomeWatch,
@@ -48,9 +47,9 @@ from tests.support.broker_faults import (
 )
 from tests.support.chaos_verify import group_lag, read_all, verify, wait_caught_up, wait_effects_folded
 from tests.support.chaos_workload import LANE_ENV, generate
-from tests.support.pod_harness import PodProcess, unique_env
+from tests.support.pod_harness import unique_env
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.usefixtures("no_leftover_pods")]
 
 EXECUTIONS_PER_S = 4.0
 PARTITIONS = 4
@@ -88,18 +87,6 @@ class Bounce:
     restart_s: float = 0.0
     isr_s: float = 0.0
     ended_at: float = 0.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_pods() -> Iterator[None]:
-    yield
-    PodProcess.kill_all()
 
 
 def _target(cluster: KafkaCluster, whom: str, group: str, bounced: list[Bounce]) -> tuple[int, str]:
@@ -196,7 +183,7 @@ async def test_broker_bounces_under_exactly_once_lose_nothing_and_stall_no_pod(
     topics = settings.topics
     group = settings.group_id
     names = ["pod-a", "pod-b"]
-    pods = Pods(env, tmp_path, {name: _free_port() for name in names})
+    pods = Pods(env, tmp_path, {name: free_port() for name in names})
     for name in names:
         pods.start(name)
     await _until_ready(pods, names, 90)  # a pod that exits meanwhile is recorded and started again

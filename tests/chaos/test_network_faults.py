@@ -44,7 +44,6 @@ import socket
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,13 +52,14 @@ import pytest
 from aiokafka import AIOKafkaClient
 
 from consumers.ops.settings import load_settings
+from consumers.tools.embedded_broker import free_port
 from tests.support.broker_faults import OrderedFeed, OutcomeWatch, Pods, exactly_once_figures, thread_dump
 from tests.support.chaos_verify import group_lag, read_all, verify, wait_caught_up, wait_effects_folded
 from tests.support.chaos_workload import LANE_ENV, generate
 from tests.support.fixtures.toxiproxy import ProxiedKafka
-from tests.support.pod_harness import PodProcess, unique_env
+from tests.support.pod_harness import unique_env
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.usefixtures("no_leftover_pods")]
 
 EXECUTIONS_PER_S = 3.0
 PARTITIONS = 4
@@ -116,18 +116,6 @@ FAULTS = [
 ]
 if os.environ.get(LONG_OUTAGE_ENV) == "1":
     FAULTS.append(Fault("outage", 600.0, "the whole cluster unreachable for 10 minutes"))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_pods() -> Iterator[None]:
-    yield
-    PodProcess.kill_all()
 
 
 async def _until_ready(pods: Pods, names: list[str], timeout_s: float) -> None:
@@ -264,7 +252,7 @@ async def test_a_network_fault_loses_nothing_duplicates_nothing_and_is_ridden_ou
     topics = settings.topics
     group = settings.group_id
     names = ["pod-a", "pod-b"]
-    pods = Pods(env, tmp_path, {name: _free_port() for name in names})
+    pods = Pods(env, tmp_path, {name: free_port() for name in names})
     for name in names:
         pods.start(name)
     await _until_ready(pods, names, 90)

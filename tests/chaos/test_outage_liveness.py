@@ -30,21 +30,20 @@ import contextlib
 import datetime as dt
 import json
 import os
-import socket
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from consumers.tools.embedded_broker import free_port
 from tests.support.broker_faults import OrderedFeed, Pods
 from tests.support.chaos_workload import LANE_ENV, generate
 from tests.support.fixtures.toxiproxy import ProxiedKafka
-from tests.support.pod_harness import PodProcess, unique_env
+from tests.support.pod_harness import unique_env
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.usefixtures("no_leftover_pods")]
 
 OUTAGE_S = float(os.environ.get("OUTAGE_LIVENESS_S", "25"))
 #: The liveness window (SANDBOX_LANES_STALL_SECONDS): below the broker waits' deadline.
@@ -56,18 +55,6 @@ WARMUP_S = 6.0
 EXECUTIONS_PER_S = 3.0
 #: The kubelet's probe timeout.
 PROBE_TIMEOUT_S = 3.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_pods() -> Iterator[None]:
-    yield
-    PodProcess.kill_all()
 
 
 @dataclass
@@ -177,7 +164,7 @@ async def test_a_pod_waiting_out_an_outage_and_its_recovery_stays_alive(
         **LANE_ENV,
     )
     names = ["pod-a", "pod-b"]
-    pods = Pods(env, tmp_path, {name: _free_port() for name in names})
+    pods = Pods(env, tmp_path, {name: free_port() for name in names})
     for name in names:
         pods.start(name)
     await _until_ready(pods, names, 90)
