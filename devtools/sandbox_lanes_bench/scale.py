@@ -11,7 +11,7 @@ sizes' rounds (``--scale-rounds``) interleaved, so a drift in the machine's load
 
 Per size: events/s, process CPU per event, the event loop's busy time per turn p50/p99/max
 (:mod:`.loop_turns`) and the pod's own turns', the pod's reaper pass (its seconds and the longest turn
-of the loop while it ran; the worst case, a deleted session's partition read through, on its own),
+of the loop while it ran; a pass with a deleted session listed, whose references it reads, on its own),
 restart to ready and its longest turn, RSS and disk; each as a ratio to the first size of the run (the
 empty store, ``0``). Goals, printed, never asserted: at the largest size throughput and the loop's p99
 within 10 % of the empty store's, every pass's longest hold under 50 ms.
@@ -271,7 +271,7 @@ async def _child(ctx: Any, spec: dict[str, Any], timeout_s: float) -> dict[str, 
 MEDIAN_KEYS = (
     "stream_seconds", "events_per_s", "cpu_us_per_event", "loop_cpu_us_per_event", "cpu_cores",
     "loop_turn_p50_ms", "loop_turn_p99_ms", "loop_turn_cpu_p50_ms", "loop_turn_cpu_p99_ms", "pod_turn_p50_ms",
-    "pod_turn_p99_ms", "rss_ready_mib", "rss_after_stream_mib",
+    "pod_turn_p99_ms", "rss_ready_mib", "rss_after_stream_mib", "heap_objects",
 )  # fmt: skip
 #: ... and these their largest.
 MAX_KEYS = (
@@ -306,6 +306,7 @@ def _row(size: _Size) -> dict[str, Any]:
         "rounds": {key: [run[key] for run in runs] for key in MEDIAN_KEYS},
         "ensures_per_round": [run["ensures"] for run in runs],
         "states_held_after": runs[-1]["states_held_after"],
+        "heap_top_types": runs[-1]["heap_top_types"],
         "disk_mib": runs[-1]["disk_mib"],
         "reaper_pass_s": _median([p["seconds"] for p in usual]),
         "reaper_longest_hold_ms": max((p["longest_hold_ms"] for p in usual), default=0.0),
@@ -467,12 +468,13 @@ TABLE = (
     ("pod turn (fetch decided and committed) p50, ms", "pod_turn_p50_ms", "{:.1f}"),
     ("pod turn p99, ms", "pod_turn_p99_ms", "{:.1f}"),
     ("longest garbage collection, stream and passes, ms", "gc_longest_ms", "{:.1f}"),
+    ("  objects the collector tracks after the stream", "heap_objects", "{:,.0f}"),
     ("reaper pass, s (median)", "reaper_pass_s", "{:.3f}"),
     ("reaper pass, longest loop hold, ms", "reaper_longest_hold_ms", "{:.2f}"),
     ("  its longest turn by the loop thread's CPU, ms", "reaper_longest_hold_cpu_ms", "{:.2f}"),
     ("  the longest garbage collection in a pass, ms", "reaper_gc_longest_ms", "{:.1f}"),
     ("  longest loop hold of a process's later passes, ms", "reaper_later_passes_longest_hold_ms", "{:.2f}"),
-    ("pass reading a deleted session's partition through, s", "read_through_pass_s", "{:.2f}"),
+    ("pass reading a deleted session's references, s", "read_through_pass_s", "{:.2f}"),
     ("  its longest loop hold, ms", "read_through_longest_hold_ms", "{:.2f}"),
     ("  its longest turn by the loop thread's CPU, ms", "read_through_longest_hold_cpu_ms", "{:.2f}"),
     ("restart to ready, s (median)", "restart_to_ready_s", "{:.2f}"),
@@ -547,7 +549,7 @@ def draw(fig: dict[str, Any], doc: Any) -> Figure | None:
     hold_ax.bar([i - width / 2 for i in x], [r["reaper_longest_hold_ms"] for r in rows], width,
                 color=P50_COLOR, label="reaper pass")  # fmt: skip
     hold_ax.bar([i + width / 2 for i in x], [r["read_through_longest_hold_ms"] for r in rows], width,
-                color="#bf8700", label="pass reading a partition through")  # fmt: skip
+                color="#bf8700", label="pass with a deleted session listed")  # fmt: skip
     for offset, key in (
         (-width / 2, "reaper_longest_hold_cpu_ms"),
         (width / 2, "read_through_longest_hold_cpu_ms"),

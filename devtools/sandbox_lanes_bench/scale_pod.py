@@ -15,7 +15,8 @@ In order, two processes, each reporting to the parent on its pipe:
    ``passes`` times over the memory driver's listing (the same at every size): ``listed`` sandboxes of
    held states (a point lookup each), quiet sessions (nothing read, retention on) and finished
    executions' sandboxes (reaped, each in its turn of the effect runner); then once more with a deleted
-   session's sandbox listed, whose partition is read through for what references it (the worst case):
+   session's sandbox listed, whose references are read (from the session index since format 3; its
+   partition was read through before: the worst case):
    each pass's seconds and the longest turn of the loop while it ran;
 5. **restarted**: stopped and started once more on the same directory (a restart after work).
 """
@@ -155,7 +156,24 @@ async def _stream(run: _PodRun, turns: Any, gcs: Any, events: int, timeout_s: fl
         "pod_turn_max_ms": own["max_ms"],
         "pod_turns": own["turns"],
         "rss_after_stream_mib": read_status("VmRSS") / MIB,
+        **_heap(),
     }
+
+
+def _heap(top: int = 8) -> dict[str, Any]:
+    """What the collector walks in a full collection after the stream: the objects it tracks, and
+    the most numerous types among them (what a long pause of the collector is made of)."""
+    import collections
+    import gc
+
+    tracked = gc.get_objects()
+    kinds = collections.Counter(_type_name(type(o)) for o in tracked)
+    return {"heap_objects": float(len(tracked)), "heap_top_types": dict(kinds.most_common(top))}
+
+
+def _type_name(kind: type) -> str:
+    module = kind.__dict__.get("__module__", "")  # a metaclass's attribute may stand in for it
+    return f"{module}.{kind.__qualname__}" if isinstance(module, str) and module else kind.__qualname__
 
 
 def _list(provisioner: Any, spec: dict[str, Any], deleted: bool) -> None:
