@@ -202,7 +202,8 @@ def _log_lines(logs: Path, levels: set[str]) -> tuple[list[LogLine], int]:
                     at,
                     str(line["level"]),
                     str(line.get("msg", "")),
-                    str(line.get("partition", "")),
+                    # One partition's line says "partition"; the forget log's (a fence, say) "partitions".
+                    str(line.get("partition", line.get("partitions", ""))),
                     str(line.get("error", ""))[:160],
                 )
             )
