@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,8 @@ from tests.support.pod_harness import (
     unique_env,
     wf_created,
 )
+
+pytestmark = pytest.mark.usefixtures("no_leftover_pods")  # tests/support/fixtures/pods.py
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -111,12 +113,6 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 30
 
 def http_env(**overrides: str) -> dict[str, str]:
     return {"SANDBOX_LANES_HTTP_HOST": "127.0.0.1", "SANDBOX_LANES_HTTP_PORT": str(free_port()), **overrides}
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_pods() -> Iterator[None]:
-    yield
-    PodProcess.kill_all()
 
 
 def agent_created(execution_id: str, session_id: str) -> inputs_pb2.ExecutionCreated:

@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,8 @@ from events.sandbox_lanes.v1 import outcomes_pb2
 from tests.integration.test_ops_http import free_port, wait_for_status
 from tests.support.pod_harness import STUB_RUNNER, PodProcess, read_topic, unique_env
 from tests.support.proc_util import processes_under
+
+pytestmark = pytest.mark.usefixtures("no_leftover_pods")  # tests/support/fixtures/pods.py
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "compose" / "docker-compose.yml"
@@ -222,12 +223,6 @@ def _cli(env: dict[str, str], *argv: str) -> subprocess.CompletedProcess[str]:
         timeout=120,
         cwd=ROOT,
     )
-
-
-@pytest.fixture(autouse=True)
-def _no_leftover_pods() -> Iterator[None]:
-    yield
-    PodProcess.kill_all()
 
 
 # --- Kubernetes manifests ----------------------------------------------------------------------------

@@ -8,13 +8,13 @@ producer's broker wait declared to the loop it runs for (no broker: an address n
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from consumers.runtime.kafka.txn_producer import TxnProducer, group_metadata
 from consumers.runtime.loop_watch import LoopWatch, Wait, bounded_wait, outside_the_loop, stalled_for
 from consumers.runtime.pod_config import PodStats, assess_health
+from consumers.tools.embedded_broker import free_port
 
 
 @pytest.mark.parametrize(
@@ -122,9 +122,7 @@ def test_liveness_judges_the_stand_still_beyond_the_bounds_not_the_time_since_a_
 async def test_a_real_producers_broker_wait_is_declared_to_the_loop_it_runs_for() -> None:
     """librdkafka's InitProducerId towards an address nothing listens on waits its timeout; the loop
     that awaits it is inside a declared wait meanwhile, named and bounded by the producer's deadline."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # closed again: connections are refused
+    port = free_port()  # closed again: connections are refused
     producer = TxnProducer(
         {"bootstrap.servers": f"127.0.0.1:{port}", "log_level": 0},
         "loop-watch-test-p0",
