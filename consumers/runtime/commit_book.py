@@ -139,7 +139,10 @@ class CommitBook:
             ownership.positions.stand_at(tp, offset, seek=True)
         try:
             ownership.store.apply(
-                partition, txn.overlay, txn.sink.written(self.config.topics.state, partition)
+                partition,
+                txn.overlay,
+                txn.sink.written(self.config.topics.state, partition),
+                absent=txn.absent,
             )
         except Exception as exc:
             fault = classify(exc) if isinstance(exc, StateStoreFault) else Fault.WORLD

@@ -122,6 +122,8 @@ class PartitionTransaction:
         self.stepped = 0
         #: Staged writes; None = a tombstone (the key's state removed).
         self.overlay: dict[str, state_pb2.ExecutionState | None] = {}
+        #: Keys read from the store and not held there: their write replaces nothing (the store's hint).
+        self.absent: set[str] = set()
         #: Next offset per input partition, committed with the transaction.
         self.offsets: dict[TopicPartition, int] = {}
         self.counted: Counter[str] = Counter()
@@ -359,7 +361,10 @@ class PartitionTransaction:
         """A key's state as this transaction sees it (its own writes first)."""
         if key in self.overlay:
             return self.overlay[key]
-        return self.store.get(self.partition, key)
+        state = self.store.get(self.partition, key)
+        if state is None:
+            self.absent.add(key)
+        return state
 
     async def _dead_letter(
         self,

@@ -154,13 +154,16 @@ class RocksDBPartition:
         state: state_pb2.ExecutionState | None,
         seen_at: float,
         retention_s: float,
+        new: bool = False,
     ) -> int:
-        """Put one key's write into ``batch`` (reading its index entry); the change of the count."""
+        """Put one key's write into ``batch`` (reading its index entry); the change of the count.
+        ``new``: the key is known not to be held (the caller read it so), so nothing it replaces is
+        read: a new execution's write at 10M states held costs two reads fewer through every level."""
         db = self.db
-        old_at = db.get(REMOVABLE_PREFIX + key)
+        old_at = None if new else db.get(REMOVABLE_PREFIX + key)
         if old_at is not None:
             batch.delete(DUE_PREFIX + old_at + key)
-        existed = db.get(STATE_PREFIX + key) is not None
+        existed = not new and db.get(STATE_PREFIX + key) is not None
         if raw is None or state is None:
             batch.delete(STATE_PREFIX + key)
             batch.delete(REMOVABLE_PREFIX + key)
