@@ -482,6 +482,7 @@ TABLE = (
     ("  its longest loop hold, ms", "restart_longest_hold_ms", "{:.1f}"),
     ("  its longest turn by the loop thread's CPU, ms", "restart_longest_hold_cpu_ms", "{:.1f}"),
     ("restore from empty, s", "restore_from_empty_s", "{:.1f}"),
+    ("  then its compactions settled, s", "compaction_after_restore_s", "{:.1f}"),
     ("RSS restarted and ready, MiB", "rss_ready_mib", "{:.0f}"),
     ("RSS after the stream, MiB", "rss_after_stream_mib", "{:.0f}"),
     ("state directory, MiB", "disk_mib", "{:.0f}"),
