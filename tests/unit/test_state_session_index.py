@@ -88,6 +88,11 @@ def test_the_index_follows_each_write_reference_and_tombstone(store: StateStore)
     store.apply(1, {"ax-9": _agent("ax-9", "ses-a")})
     assert _of(store, 0, "ses-a") == ["ax-1", "wf-r"]
     assert _of(store, 0, "ses-ab") == ["ax-2"]  # one id the prefix of another: each its own
+    long_id = "ses-" + "l" * 70_000  # longer than a 2-byte length could say
+    store.apply(0, {"ax-long": _agent("ax-long", long_id)})
+    assert _of(store, 0, long_id) == ["ax-long"] and _of(store, 0, long_id[:-1]) == []
+    store.apply(0, {"ax-long": None})
+    assert _of(store, 0, long_id) == []
     assert _of(store, 0, "ses-b") == ["wf-r"]
     assert _of(store, 1, "ses-a") == ["ax-9"] and _of(store, 0, "ses-none") == []
     ((_, state),) = list(store.referencing(0, "ses-ab"))

@@ -10,7 +10,7 @@ The database lives in ``<state dir>/<topic>/<partition>`` and keeps, under one-l
 * ``o<key>``: the outbox index, one empty entry per state with driver calls pending, so a take-over
   re-runs them reading those states only
   (:meth:`~consumers.runtime.state.rocksdb.RocksDBStore.pending_items`), never every state held;
-* ``x<session><key>`` (the session id length-prefixed, :func:`session_entry`): the session index,
+* ``x<session><key>`` (the session id length-prefixed, 4 bytes, :func:`session_entry`): the session index,
   one empty entry per state and session it references (:func:`~consumers.lanes.reap.sessions_referenced`),
   and ``y<key>``: the sessions the state's entries were written for, so the next write of the key
   removes the entries it no longer has without decoding the old state. The idle sweep and the reaper
@@ -62,23 +62,23 @@ def ms_key(at: float) -> bytes:
 
 
 def session_entry(session_id: bytes) -> bytes:
-    """The session index's prefix for one session: its id's length (2 bytes), then the id, so one
-    session's prefix never starts another's (``"a"`` and ``"ab"``)."""
-    return SESSION_PREFIX + struct.pack(">H", len(session_id)) + session_id
+    """The session index's prefix for one session: its id's length (4 bytes: an id is as long as
+    its record allows), then the id, so one session's prefix never starts another's (``"a"``, ``"ab"``)."""
+    return SESSION_PREFIX + struct.pack(">I", len(session_id)) + session_id
 
 
 def pack_sessions(sessions: list[bytes]) -> bytes:
-    """A ``y<key>`` value: the sessions, each length-prefixed (2 bytes)."""
-    return b"".join(struct.pack(">H", len(s)) + s for s in sessions)
+    """A ``y<key>`` value: the sessions, each length-prefixed (4 bytes)."""
+    return b"".join(struct.pack(">I", len(s)) + s for s in sessions)
 
 
 def unpack_sessions(raw: bytes) -> list[bytes]:
     found: list[bytes] = []
     at = 0
-    while at + 2 <= len(raw):
-        (n,) = struct.unpack_from(">H", raw, at)
-        found.append(raw[at + 2 : at + 2 + n])
-        at += 2 + n
+    while at + 4 <= len(raw):
+        (n,) = struct.unpack_from(">I", raw, at)
+        found.append(raw[at + 4 : at + 4 + n])
+        at += 4 + n
     return found
 
 
