@@ -176,3 +176,50 @@ async def test_a_fetch_around_an_unparsable_record_held_by_the_client_is_let_go_
     assert got == {}
     assert seen and seen[0].startswith("a fetch around an unparsable record"), seen
     assert watch.assess().waiting_for == ""
+
+
+async def test_a_call_given_up_on_has_its_late_answer_dropped_never_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A librdkafka call outliving its deadline: the producer gives up and cancels the call's future,
+    so the answer the thread gives later is dropped. Retrieved by a callback instead (before), it was
+    reported as 'Future exception was never retrieved' when the loop ended first (a pod stopping in
+    a network fault: one ERROR line in test_network_faults)."""
+    import threading
+
+    from consumers.runtime.kafka import producer_thread
+
+    producer = TxnProducer(
+        {"bootstrap.servers": f"127.0.0.1:{free_port()}", "log_level": 0},
+        "loop-watch-late-p0",
+        group_metadata("loop-watch-late"),
+        timeout_s=30.0,
+    )
+    futures: list[asyncio.Future[object]] = []
+    submit = producer_thread.Worker.submit
+
+    def kept(self: producer_thread.Worker, call: object) -> asyncio.Future[object]:
+        future: asyncio.Future[object] = submit(self, call)  # type: ignore[arg-type]
+        futures.append(future)
+        return future
+
+    monkeypatch.setattr(producer_thread.Worker, "submit", kept)
+    release, answered = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        release.wait(10)
+        answered.set()
+        raise RuntimeError("the late answer")
+
+    monkeypatch.setattr(producer, "deadline_s", 0.2)
+    from consumers.runtime.kafka.producer_errors import BrokerWaitExpired
+
+    with pytest.raises(BrokerWaitExpired):
+        await producer._blocking(stuck)
+    (future,) = futures
+    assert future.cancelled()
+    release.set()
+    assert await asyncio.to_thread(answered.wait, 10)
+    await asyncio.sleep(0.05)  # the thread's answer reaches the loop: dropped
+    assert future.cancelled()
+    producer.close()

@@ -50,16 +50,10 @@ class Worker:
         self._calls.put(None)
 
 
-def retrieve(future: asyncio.Future[Any]) -> None:
-    """Read the answer of a call nobody waits for any more (so asyncio does not report it)."""
-    if not future.cancelled():
-        future.exception()
-
-
 def _answer(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
     def settle() -> None:
         if future.done():
-            return  # the waiter gave up (deadline, cancellation)
+            return  # the waiter gave up (deadline, cancellation) and cancelled it: dropped
         if error is not None:
             future.set_exception(error)
         else:
@@ -69,4 +63,4 @@ def _answer(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.get_loop().call_soon_threadsafe(settle)
 
 
-__all__ = ["Worker", "retrieve"]
+__all__ = ["Worker"]

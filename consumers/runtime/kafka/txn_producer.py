@@ -54,7 +54,7 @@ from consumers.runtime.kafka.producer_errors import (
     named,
     translate,
 )
-from consumers.runtime.kafka.producer_thread import Worker, retrieve
+from consumers.runtime.kafka.producer_thread import Worker
 from consumers.runtime.loop_watch import bounded_wait
 
 logger = logging.getLogger("sandbox_lanes.librdkafka")
@@ -172,7 +172,9 @@ class TxnProducer:
                 return await asyncio.wait_for(asyncio.shield(future), self.deadline_s)
         except TimeoutError:
             self.abandoned = True
-            future.add_done_callback(retrieve)  # its late answer is nobody's: not an unhandled error
+            # Its late answer is nobody's: dropped (a cancelled future takes none), never left to be
+            # reported unretrieved, as a callback's retrieval was when the loop ended before it ran.
+            future.cancel()
             raise BrokerWaitExpired(
                 f"{self.transactional_id}: {name} did not return within {self.deadline_s:g}s"
             ) from None
@@ -180,7 +182,7 @@ class TxnProducer:
             # The caller stopped waiting (a shutdown bound): the call may still be running in
             # the thread, so the producer is no longer in a known state.
             self.abandoned = True
-            future.add_done_callback(retrieve)
+            future.cancel()
             raise
         except KafkaException as exc:
             refusal = self._first_failure()
