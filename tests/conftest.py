@@ -19,6 +19,7 @@ pytest_plugins = [
     "tests.support.fixtures.toxiproxy",
     "tests.support.fixtures.release",
     "tests.support.fixtures.pods",
+    "tests.support.fixtures.stores",
 ]
 
 

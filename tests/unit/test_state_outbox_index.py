@@ -10,7 +10,6 @@ tombstone and restore, survives a close and reopen, and the resume decodes only 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,24 +36,12 @@ def _state(key: str, *, pending: bool = False) -> state_pb2.ExecutionState:
     return state
 
 
-@pytest.fixture(params=["memory", "rocksdb"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore]:
-    made: StateStore
-    if request.param == "memory":
-        made = MemoryStore("state")
-    else:
-        disk = RocksDBStore("state", directory=tmp_path)
-        disk.adopt([0, 1])
-        made = disk
-    yield made
-    made.close()
-
-
 def _outbox(store: StateStore, partition: int) -> list[str]:
     return [key for key, _ in store.pending_items(partition)]
 
 
-def test_the_outbox_follows_each_write_and_tombstone(store: StateStore) -> None:
+def test_the_outbox_follows_each_write_and_tombstone(each_store: StateStore) -> None:
+    store = each_store
     store.apply(0, {f"exec-{i}": _state(f"exec-{i}") for i in range(50)})
     assert _outbox(store, 0) == []
     store.apply(0, {"exec-7": _state("exec-7", pending=True), "exec-3": _state("exec-3", pending=True)})
@@ -98,8 +85,9 @@ class _Effects:
 
 
 def test_a_resume_decodes_only_the_states_with_calls_pending(
-    store: StateStore, monkeypatch: pytest.MonkeyPatch
+    each_store: StateStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    store = each_store
     held = 2_000
     store.apply(0, {f"exec-{i:05d}": _state(f"exec-{i:05d}") for i in range(held)})
     store.apply(0, {"exec-00042": _state("exec-00042", pending=True)})

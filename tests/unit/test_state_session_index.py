@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,24 +57,12 @@ def _workflow(key: str) -> state_pb2.ExecutionState:
     return state_pb2.ExecutionState(execution_id=key, kind=common_pb2.WORKFLOW_EXECUTION, created=True)
 
 
-@pytest.fixture(params=["memory", "rocksdb"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StateStore]:
-    made: StateStore
-    if request.param == "memory":
-        made = MemoryStore("state")
-    else:
-        disk = RocksDBStore("state", directory=tmp_path)
-        disk.adopt([0, 1])
-        made = disk
-    yield made
-    made.close()
-
-
 def _of(store: StateStore, partition: int, session: str) -> list[str]:
     return [key for key, _ in store.referencing(partition, session)]
 
 
-def test_the_index_follows_each_write_reference_and_tombstone(store: StateStore) -> None:
+def test_the_index_follows_each_write_reference_and_tombstone(each_store: StateStore) -> None:
+    store = each_store
     store.apply(0, {f"wf-{i}": _workflow(f"wf-{i}") for i in range(50)})
     store.apply(
         0,
@@ -184,8 +171,9 @@ class _PodStandIn:
 
 
 def test_the_idle_sweeps_question_decodes_the_sessions_states_only(
-    store: StateStore, monkeypatch: pytest.MonkeyPatch
+    each_store: StateStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    store = each_store
     held = 2_000
     store.apply(0, {f"wf-{i:05d}": _workflow(f"wf-{i:05d}") for i in range(held)})
     store.apply(0, {f"ax-{i}": _agent(f"ax-{i}", f"ses-{i}") for i in range(held)})  # other sessions
