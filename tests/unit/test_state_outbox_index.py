@@ -15,12 +15,11 @@ from typing import Any
 
 import pytest
 
-from consumers.runtime.state import memory, rocksdb
+from consumers.runtime.state import memory
 from consumers.runtime.state.interface import StateStore
 from consumers.runtime.state.memory import MemoryStore
 from consumers.runtime.state.recovery import _resume
 from consumers.runtime.state.rocksdb import RocksDBStore
-from events.codec import decode_state
 from events.sandbox_lanes.v1 import common_pb2, state_pb2
 
 
@@ -85,24 +84,16 @@ class _Effects:
 
 
 def test_a_resume_decodes_only_the_states_with_calls_pending(
-    each_store: StateStore, monkeypatch: pytest.MonkeyPatch
+    each_store: StateStore, store_decodes: list[bytes]
 ) -> None:
     store = each_store
     held = 2_000
     store.apply(0, {f"exec-{i:05d}": _state(f"exec-{i:05d}") for i in range(held)})
     store.apply(0, {"exec-00042": _state("exec-00042", pending=True)})
-    decoded: list[bytes] = []
-
-    def counting(raw: bytes) -> state_pb2.ExecutionState:
-        decoded.append(raw)
-        return decode_state(raw)
-
-    monkeypatch.setattr(rocksdb, "decode_state", counting)
-    monkeypatch.setattr(memory, "decode_state", counting)
     effects = _Effects()
     assert _resume(0, store, effects) == 1  # type: ignore[arg-type]
     assert effects.submitted == ["exec-00042-teardown"]
-    assert len(decoded) == 1, f"{len(decoded)} of {held} states decoded to resume one call"
+    assert len(store_decodes) == 1, f"{len(store_decodes)} of {held} states decoded to resume one call"
 
 
 def test_a_memory_restore_builds_the_outbox_from_the_records(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,12 +18,11 @@ import pytest
 from aiokafka import ConsumerRecord
 
 from consumers.runtime.session_activity import StoreSessionActivity
-from consumers.runtime.state import memory, rocksdb
+from consumers.runtime.state import memory
 from consumers.runtime.state.interface import StateStore
 from consumers.runtime.state.memory import MemoryStore
 from consumers.runtime.state.rocksdb import RocksDBStore
 from drivers.agent_sandbox.idle import SessionActivity
-from events.codec import decode_state
 from events.sandbox_lanes.v1 import common_pb2, state_pb2
 
 NOW = 1_000_000.0
@@ -171,7 +170,7 @@ class _PodStandIn:
 
 
 def test_the_idle_sweeps_question_decodes_the_sessions_states_only(
-    each_store: StateStore, monkeypatch: pytest.MonkeyPatch
+    each_store: StateStore, store_decodes: list[bytes]
 ) -> None:
     store = each_store
     held = 2_000
@@ -179,17 +178,11 @@ def test_the_idle_sweeps_question_decodes_the_sessions_states_only(
     store.apply(0, {f"ax-{i}": _agent(f"ax-{i}", f"ses-{i}") for i in range(held)})  # other sessions
     store.apply(0, {"ax-a1": _agent("ax-a1", "ses-a", stamp=NOW - 500), "ax-a2": _agent("ax-a2", "ses-a")})
     store.apply(1, {"ax-o": _agent("ax-o", "ses-other", common_pb2.EXECUTION_IN_PROGRESS, NOW - 900)})
-    decoded: list[bytes] = []
-
-    def counting(raw: bytes) -> state_pb2.ExecutionState:
-        decoded.append(raw)
-        return decode_state(raw)
-
-    monkeypatch.setattr(rocksdb, "decode_state", counting)
-    monkeypatch.setattr(memory, "decode_state", counting)
     reader = StoreSessionActivity(_PodStandIn(store), wall=lambda: NOW)  # type: ignore[arg-type]
     assert reader.activity("ses-a") == SessionActivity(busy=False, last_active_at=NOW - 100, executions=2)
-    assert len(decoded) == 2, f"{len(decoded)} of {2 * held + 3} states decoded for a session of 2"
+    assert len(store_decodes) == 2, (
+        f"{len(store_decodes)} of {2 * held + 3} states decoded for a session of 2"
+    )
     assert reader.activity("ses-other") == SessionActivity(busy=True, last_active_at=NOW - 900, executions=1)
     assert reader.activity("ses-none") == SessionActivity(busy=False, last_active_at=None, executions=0)
     store.put(0, "ax-a3", _agent("ax-a3", "ses-a", common_pb2.EXECUTION_IN_PROGRESS, NOW - 10))
