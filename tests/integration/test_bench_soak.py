@@ -57,6 +57,10 @@ def test_a_short_soak_samples_every_second_and_loses_nothing(tmp_path: Path) -> 
     assert (
         min(col["rss_mib"]) > 10 and min(col["threads"]) > 1 and min(col["fds"]) > 3 and min(col["tasks"]) > 1
     )
+    # what RocksDB holds in memory, read from the store's databases: some, and less than the RSS
+    assert max(col["rocksdb_mib"]) > 0 and all(
+        r < m for r, m in zip(col["rocksdb_mib"], col["rss_mib"], strict=True)
+    )
     # retention (20 s) removed states during the run: more were made than were ever held at once
     assert 0 < max(col["states"]) < fig["executions"], max(col["states"])
     assert col["provisioned"][-1] >= fig["executions"] * 0.9
@@ -65,7 +69,7 @@ def test_a_short_soak_samples_every_second_and_loses_nothing(tmp_path: Path) -> 
     assert any(v is not None for v in lag)
 
     # the figures and the chart
-    for name in ("rss_mib", "threads", "fds", "tasks", "states"):
+    for name in ("rss_mib", "threads", "fds", "tasks", "states", "rss_beyond_rocksdb_mib"):
         assert fig["trends"][name]["n"] > 10, (name, fig["trends"][name])
     assert "soak 0.75 min: executions lost / duplicate outcomes" in proc.stdout
     svg = tmp_path / "soak-plots" / "soak.svg"
