@@ -27,7 +27,7 @@ from consumers.runtime.effects import Completion, EffectRunner
 from consumers.runtime.failure_policy import Action, Site, classify, decide, parse_fault
 from consumers.runtime.kafka.sink import BatchSink
 from consumers.runtime.kafka.txn_producer import lingering
-from consumers.runtime.kafka.unparsable import fetch_around_unparsable
+from consumers.runtime.kafka.unparsable import FETCH_GRACE_S, fetch_around_unparsable
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.ownership import Ownership
 from consumers.runtime.partition_txn import PartitionTransaction
@@ -44,8 +44,6 @@ Records = list[ConsumerRecord[bytes, bytes]]
 _PROBE_MS = 500
 #: Seconds between looks for states past their retention.
 _EXPIRY_CHECK_S = 1.0
-#: How much longer than its own timeout a fetch may take before the loop turns without it.
-_FETCH_GRACE_S = 1.0
 
 
 class Turns:
@@ -147,7 +145,7 @@ class Turns:
             # the loop turns without records, folding results back and answering a stop.
             fetched: dict[TopicPartition, Records] = await asyncio.wait_for(
                 consumer.getmany(timeout_ms=timeout_ms, max_records=self.config.max_batch),
-                timeout_ms / 1000 + _FETCH_GRACE_S,
+                timeout_ms / 1000 + FETCH_GRACE_S,
             )
             return fetched
         except TimeoutError:

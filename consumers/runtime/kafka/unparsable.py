@@ -35,9 +35,9 @@ RecordRef = tuple[str, int, int]
 _PLACEHOLDER_TIMESTAMP_TYPE = -1
 #: Records fetched one at a time ahead of a bad one at most, before they are handed on.
 _AHEAD_MAX = 2_000
-#: Past its timeout by this much a fetch is let go, as the pod's own fetch is (aiokafka holds one
-#: for as long as a rebalance takes): nothing is taken from the buffer, the reader meets it again.
-_FETCH_GRACE_S = 1.0
+#: Past its timeout by this much a fetch is let go, the pod's own and those around a bad record
+#: alike (aiokafka holds one for as long as a rebalance takes): nothing is taken from the buffer.
+FETCH_GRACE_S = 1.0
 
 
 class Doom(NamedTuple):
@@ -83,7 +83,7 @@ async def _fetch(
     consumer: AIOKafkaConsumer, tp: TopicPartition, poll_ms: int, max_records: int
 ) -> dict[TopicPartition, Records]:
     """One partition's fetch, let go (nothing) past its timeout; a declared wait of the loop."""
-    bound_s = poll_ms / 1000 + _FETCH_GRACE_S
+    bound_s = poll_ms / 1000 + FETCH_GRACE_S
     with bounded_wait("a fetch around an unparsable record", bound_s):
         try:
             got: dict[TopicPartition, Records] = await asyncio.wait_for(
