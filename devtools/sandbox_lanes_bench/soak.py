@@ -32,10 +32,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
+import gc
 import heapq
 import json
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
 import uuid
@@ -64,7 +67,15 @@ POD_COLUMNS = (
     "commit_failures",
     "lingering",
     "rocksdb_mib",
+    "py_blocks",
+    "malloc_used_mib",
+    "malloc_free_mib",
 )
+#: Every this many seconds the pod's child also counts the objects the collector tracks, by type (the
+#: census: what grows between the first after the warm-up and the last is the leak, if any).
+CENSUS_EVERY_S = 300.0
+#: The census keeps this many types, the most numerous.
+CENSUS_TYPES = 40
 #: What the bench samples, in its rows' order (after ``t_s``).
 BENCH_COLUMNS = ("created", "provisioned_seen", "deprovisioned_seen", "lag")
 
@@ -120,6 +131,46 @@ def _rocksdb_bytes(states: Any) -> int:
     return int(memtables + readers + cache)
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _malloc() -> tuple[float, float]:
+    """glibc's heap in MiB: (in use, including mmapped chunks; free but kept in its arenas). The RSS
+    beyond both and beyond Python's own arenas is fragmentation the allocator cannot give back."""
+    try:
+        call = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc 2.33+: the columns stay empty
+        return (0.0, 0.0)
+    call.restype = _MallInfo2
+    info = call()
+    return (round((info.uordblks + info.hblkhd) / MIB, 2), round(info.fordblks / MIB, 2))
+
+
+def _census() -> dict[str, int]:
+    """The objects the collector tracks, counted by type: the most numerous ``CENSUS_TYPES``."""
+    counts: dict[str, int] = {}
+    for obj in gc.get_objects():
+        name = type(obj).__qualname__
+        counts[name] = counts.get(name, 0) + 1
+    top = sorted(counts.items(), key=lambda kv: -kv[1])[:CENSUS_TYPES]
+    return {"total": sum(counts.values()), **dict(top)}
+
+
 def _threads() -> int:
     """The process's threads, native ones included (librdkafka's, RocksDB's): /proc's count."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -140,7 +191,11 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
     async with running_pod(spec["env"], provisioner=provisioner) as pod:
         conn.send({"ready": True, "pid": os.getpid()})
         began = time.perf_counter()
-        with Path(spec["samples"]).open("a") as out:
+        census_at = began + 30.0
+        with (
+            Path(spec["samples"]).open("a") as out,
+            Path(spec["census"]).open("a") as census,
+        ):
             due = time.perf_counter()
             while not conn.poll():
                 due += 1.0
@@ -163,9 +218,15 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
                     pod.stats.commit_failures,
                     lingering(),
                     round(_rocksdb_bytes(pod.states) / MIB, 2),
+                    sys.getallocatedblocks(),
+                    *_malloc(),
                 ]
                 out.write(json.dumps(row) + "\n")
                 out.flush()
+                if now >= census_at:
+                    census_at = now + CENSUS_EVERY_S
+                    census.write(json.dumps([round(now - began, 3), _census()]) + "\n")
+                    census.flush()
                 if now - due > 5.0:  # the loop was held: sample from now on, not to catch up
                     due = now
 
@@ -489,7 +550,13 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
                 await asyncio.sleep(0.25)
     pod_samples = directory / "pod.jsonl"
     bench_samples = directory / "bench.jsonl"
-    spec = {"env": env, "samples": str(pod_samples), "ensure_latency_ms": 5.0}
+    census_samples = directory / "census.jsonl"
+    spec = {
+        "env": env,
+        "samples": str(pod_samples),
+        "census": str(census_samples),
+        "ensure_latency_ms": 5.0,
+    }
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=child_process, args=(_pod_run, spec, child))
@@ -582,6 +649,11 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
     doubled = {cause: n for (kind, cause), n in counts.items() if n > 1}
     pod_rows = [json.loads(line) for line in pod_samples.read_text().splitlines() if line.strip()]
     bench_rows = [json.loads(line) for line in bench_samples.read_text().splitlines() if line.strip()]
+    censuses = (
+        [json.loads(line) for line in census_samples.read_text().splitlines() if line.strip()]
+        if census_samples.exists()
+        else []
+    )
     return summarise(
         {
             "minutes": args.minutes,
@@ -625,6 +697,7 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
             "bounces": bounces,
             "pod_samples": {"columns": ["t_s", *POD_COLUMNS], "rows": pod_rows},
             "bench_samples": {"columns": ["t_s", *BENCH_COLUMNS], "rows": bench_rows},
+            "censuses": censuses,
             "provision_ms": run.provision_ms,
             "teardown_ms": run.teardown_ms,
         }

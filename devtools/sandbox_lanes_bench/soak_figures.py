@@ -20,6 +20,11 @@ FLAT = ("rss_mib", "threads", "fds", "tasks", "states")
 #: The RSS beside what RocksDB holds in memory (its memtables fill slowly at a soak's rate, up to their
 #: configured bound: a rise of the RSS that is only that is not a leak), when the samples have it.
 BEYOND_ROCKSDB = "rss_beyond_rocksdb_mib"
+#: What the process's heap is made of, trended beside the RSS when the samples have it: Python's blocks
+#: in use, glibc's heap in use and free in its arenas (the RSS rising with these flat is neither).
+HEAP = ("py_blocks", "malloc_used_mib", "malloc_free_mib")
+#: The census's types that grew the most after the warm-up, kept in the figures.
+CENSUS_GROWTH = 12
 #: Latency windows of the run: its post-warm-up time cut into this many.
 WINDOWS = 6
 
@@ -63,6 +68,7 @@ def summarise(fig: dict[str, Any]) -> dict[str, Any]:
     names: tuple[str, ...] = FLAT
     if "rocksdb_mib" in columns:  # samples of runs before it lack the column
         names = (*FLAT, BEYOND_ROCKSDB)
+    names = (*names, *(name for name in HEAP if name in columns))
     for name in names:
         points = [(r[0], _value(columns, r, name)) for r in steady]
         values = [v for _, v in points]
@@ -83,6 +89,7 @@ def summarise(fig: dict[str, Any]) -> dict[str, Any]:
         trends[name] = trend
     fig["steady_from_s"] = start
     fig["trends"] = trends
+    fig["census_growth"] = census_growth(fig.get("censuses", []), start)
     fig["latency_windows"] = _windows(fig, start, end)
     steady_ms = [ms for t, ms in fig["provision_ms"] if start <= t <= end]
     per_minute: dict[int, list[float]] = {}
@@ -98,6 +105,20 @@ def summarise(fig: dict[str, Any]) -> dict[str, Any]:
     fig["lag_max"] = max(lags) if lags else None
     fig["lag_median"] = statistics.median(lags) if lags else None
     return fig
+
+
+def census_growth(censuses: Sequence[Any], start: float) -> dict[str, Any]:
+    """The types whose tracked objects grew the most from the first census after the warm-up to the
+    last (a type missing from a census's top list counts as 0 there)."""
+    steady = [(t, counts) for t, counts in censuses if t >= start]
+    if len(steady) < 2:
+        return {}
+    (t0, first), (t1, last) = steady[0], steady[-1]
+    grown = sorted(
+        ((name, last.get(name, 0) - first.get(name, 0)) for name in set(first) | set(last)),
+        key=lambda kv: -kv[1],
+    )
+    return {"from_s": t0, "to_s": t1, "grown": dict(grown[:CENSUS_GROWTH])}
 
 
 def _value(columns: list[str], row: list[Any], name: str) -> float:
@@ -138,6 +159,9 @@ _UNITS = {
     "fds": "fds",
     "tasks": "tasks",
     "states": "states",
+    "py_blocks": "blocks",
+    "malloc_used_mib": "MiB",
+    "malloc_free_mib": "MiB",
 }
 
 
@@ -151,7 +175,7 @@ def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "0 / 0",
         )
     ]
-    for name in (*FLAT, BEYOND_ROCKSDB):
+    for name in (*FLAT, BEYOND_ROCKSDB, *HEAP):
         t = fig["trends"].get(name) or {}
         if "median" not in t:
             continue
@@ -185,6 +209,13 @@ def extra_lines(fig: dict[str, Any]) -> list[str]:
             f"| {w['from_s'] / 60:.1f}-{w['to_s'] / 60:.1f} | {w['outcomes']:,} | "
             f"{w['provision_p50_ms']:.1f} | {w['provision_p99_ms']:.1f} | {w['provision_max_ms']:.0f} | "
             f"{w['teardown_p99_ms']:.1f} |"
+        )
+    growth = fig.get("census_growth") or {}
+    if growth:
+        grown = ", ".join(f"{name} {n:+,}" for name, n in growth["grown"].items())
+        lines.append(
+            f"\nObjects tracked, grown from minute {growth['from_s'] / 60:.0f} to {growth['to_s'] / 60:.0f}: "
+            + grown
         )
     return lines
 
