@@ -142,7 +142,7 @@ class CommitBook:
                 partition,
                 txn.overlay,
                 txn.sink.written(self.config.topics.state, partition),
-                absent=txn.absent,
+                prior=txn.prior,
             )
         except Exception as exc:
             fault = classify(exc) if isinstance(exc, StateStoreFault) else Fault.WORLD

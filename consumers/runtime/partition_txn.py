@@ -122,8 +122,9 @@ class PartitionTransaction:
         self.stepped = 0
         #: Staged writes; None = a tombstone (the key's state removed).
         self.overlay: dict[str, state_pb2.ExecutionState | None] = {}
-        #: Keys read from the store and not held there: their write replaces nothing (the store's hint).
-        self.absent: set[str] = set()
+        #: What the store held for each key this transaction read from it (None: not held): what its
+        #: write replaces, so the store need not read it again (the prior hint).
+        self.prior: dict[str, state_pb2.ExecutionState | None] = {}
         #: Next offset per input partition, committed with the transaction.
         self.offsets: dict[TopicPartition, int] = {}
         self.counted: Counter[str] = Counter()
@@ -362,8 +363,7 @@ class PartitionTransaction:
         if key in self.overlay:
             return self.overlay[key]
         state = self.store.get(self.partition, key)
-        if state is None:
-            self.absent.add(key)
+        self.prior.setdefault(key, state)
         return state
 
     async def _dead_letter(

@@ -9,7 +9,7 @@ compacted state topic is the truth: a store is a cache of it that can always be 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -102,13 +102,13 @@ class StateStore(HeldStates, Protocol):
         partition: int,
         writes: Mapping[str, state_pb2.ExecutionState | None],
         at: tuple[int, int] | None = None,
-        absent: Collection[str] = (),
+        prior: Mapping[str, state_pb2.ExecutionState | None] | None = None,
     ) -> None:
         """A committed transaction's writes (None: a tombstone), all at once; ``at``: the offsets
         (first, last) of its records in the state partition, when the producer told them and they
-        are contiguous (a disk store's checkpoint moves with them). ``absent``: keys the transaction
-        read from this store and found not held (the partition's one writer: nothing wrote them
-        since), so a disk store writes them without reading what they replace."""
+        are contiguous (a disk store's checkpoint moves with them). ``prior``: what this store held
+        for keys the transaction read from it (None: not held); the partition has one writer, so it
+        is still what they replace, and a disk store writes them without reading it again."""
 
     def due(self, now: float, limit: int) -> dict[int, list[str]]:
         """Keys whose state may be removed now, per partition (at most ``limit`` in all)."""

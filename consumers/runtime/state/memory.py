@@ -10,7 +10,7 @@ import asyncio
 import heapq
 import logging
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from aiokafka import TopicPartition
 from google.protobuf.message import DecodeError as ProtobufDecodeError
@@ -78,7 +78,7 @@ class MemoryStore:
         partition: int,
         writes: Mapping[str, state_pb2.ExecutionState | None],
         at: tuple[int, int] | None = None,
-        absent: Collection[str] = (),
+        prior: Mapping[str, state_pb2.ExecutionState | None] | None = None,
     ) -> None:
         for key, state in writes.items():
             if state is None:

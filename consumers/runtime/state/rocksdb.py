@@ -22,7 +22,7 @@ moves no count, checkpoint or proof unless its write batch was written); the pod
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 from rocksdict import WriteBatch
 
@@ -33,6 +33,7 @@ from consumers.runtime.state.rocksdb_partition import (
     DUE_PREFIX,
     OUTBOX_PREFIX,
     STATE_PREFIX,
+    UNKNOWN,
     ms_key,
     prefixed,
     session_entry,
@@ -131,7 +132,7 @@ class RocksDBStore(RestoringDatabases):
         partition: int,
         writes: Mapping[str, state_pb2.ExecutionState | None],
         at: tuple[int, int] | None = None,
-        absent: Collection[str] = (),
+        prior: Mapping[str, state_pb2.ExecutionState | None] | None = None,
     ) -> None:
         """A committed transaction's writes, in one write batch. ``at``: the offsets (first, last)
         of its state records in the topic, contiguous, when the producer told them; when they
@@ -158,7 +159,8 @@ class RocksDBStore(RestoringDatabases):
         with guarded(partition, writing=False):
             for key, state in writes.items():
                 raw = None if state is None else state.SerializeToString()
-                count += part.stage(batch, key.encode(), raw, state, now, self.retention_s, new=key in absent)
+                known = UNKNOWN if prior is None else prior.get(key, UNKNOWN)
+                count += part.stage(batch, key.encode(), raw, state, now, self.retention_s, prior=known)
                 kept.append((key, raw))
         batch.put(COUNT_KEY, str(count).encode())
         moved = at[1] + 1 if chained and at is not None else None
