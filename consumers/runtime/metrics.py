@@ -115,6 +115,12 @@ class PodMetrics:
         self.state_keys = Gauge(
             "sandbox_lanes_state_store_keys", "Executions held in the state store", registry=r
         )
+        self.state_memory = Gauge(
+            "sandbox_lanes_state_store_memory_bytes",
+            "What the state store's database holds in memory: memtables, block cache, table readers"
+            " (RocksDB store only; read at most once a second)",
+            registry=r,
+        )
         self.restore_seconds = Gauge(
             "sandbox_lanes_state_restore_seconds", "Duration of the last state restore", registry=r
         )

@@ -76,6 +76,7 @@ class Turns:
         self._resubscribe = resubscribe
         self._throttle = FetchThrottle(config.driver_concurrency, config.max_batch)
         self._next_expiry_check = 0.0
+        self._next_memory_read = 0.0
         ownership.on_fetchable = self.apply_backpressure
 
     # --- the loop ------------------------------------------------------------------------------
@@ -276,9 +277,14 @@ class Turns:
         outstanding = self.effects.outstanding
         self.metrics.effects_outstanding.set(outstanding)
         self.metrics.producers_lingering.set(lingering())
+        now = time.monotonic()
+        if now >= self._next_memory_read:  # a property read per partition: once a second is enough
+            self._next_memory_read = now + 1.0
+            held = self.ownership.store.memory_bytes()
+            if held is not None:
+                self.metrics.state_memory.set(held)
         # Fetch what is owned, held and not resting, unless throttled or stopping; pause the rest.
         fetching = self._throttle.fetching(outstanding, self._stop.is_set())
-        now = time.monotonic()
         resumed = [
             tp
             for tp in assigned

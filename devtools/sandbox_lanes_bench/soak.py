@@ -116,21 +116,6 @@ def argv_of(args: argparse.Namespace) -> list[str]:
 # --- the pod's child process --------------------------------------------------------------------
 
 
-def _rocksdb_bytes(states: Any) -> int:
-    """What RocksDB holds in memory for the store (its memtables and table readers per partition,
-    the block cache they share once): bounded by configuration, apart from the rest of the RSS."""
-    parts = getattr(states, "_parts", {})  # the RocksDB store's databases (the memory store: none)
-    memtables = readers = cache = 0
-    for part in list(parts.values()):
-        try:
-            memtables += part.db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
-            readers += part.db.property_int_value("rocksdb.estimate-table-readers-mem") or 0
-            cache = max(cache, part.db.property_int_value("rocksdb.block-cache-usage") or 0)
-        except Exception:  # a partition closed while it was read: counted from the next sample
-            continue
-    return int(memtables + readers + cache)
-
-
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
         (name, ctypes.c_size_t)
@@ -217,7 +202,7 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
                     pod.stats.dead_lettered,
                     pod.stats.commit_failures,
                     lingering(),
-                    round(_rocksdb_bytes(pod.states) / MIB, 2),
+                    round((pod.states.memory_bytes() or 0) / MIB, 2),
                     sys.getallocatedblocks(),
                     *_malloc(),
                 ]

@@ -125,6 +125,30 @@ def test_rocksdb_keeps_states_count_and_schedule_across_a_reopen(tmp_path: Path)
         again.close()
 
 
+def test_the_rocksdb_store_tells_what_its_database_holds_in_memory(tmp_path: Path) -> None:
+    """Its memtables (the writes), then its table readers (the written files' index and filter
+    blocks); the memory store cannot tell its states' memory apart from the heap's."""
+    assert MemoryStore("state").memory_bytes() is None
+    store = _rocksdb(tmp_path, 0.0)
+    try:
+        store.adopt([1])
+        empty = store.memory_bytes()
+        assert empty is not None
+        for p in (0, 1):
+            store.apply(p, {f"e{i:05d}": _state(f"e{i:05d}") for i in range(5_000)})
+        written = store.memory_bytes()
+        assert written is not None and written - empty > 5_000 * 2 * 50, (empty, written)
+        for part in store._parts.values():
+            part.db.flush()
+        readers = sum(
+            part.db.property_int_value("rocksdb.estimate-table-readers-mem") or 0
+            for part in store._parts.values()
+        )
+        assert readers > 0 and (store.memory_bytes() or 0) >= readers
+    finally:
+        store.close()
+
+
 def test_open_store_picks_the_implementation(tmp_path: Path) -> None:
     assert isinstance(open_store("memory", "t"), MemoryStore)
     disk = open_store("rocksdb", "t", 5.0, tmp_path)

@@ -93,6 +93,11 @@ class StateStore(HeldStates, Protocol):
     topic: str
     retention_s: float
 
+    def memory_bytes(self) -> int | None:
+        """What the store holds in memory beside the states' own objects, when it can tell (a disk
+        store: its database's caches and buffers); None when it cannot."""
+        ...
+
     def put(self, partition: int, key: str, state: state_pb2.ExecutionState) -> None: ...
 
     def delete(self, partition: int, key: str) -> None: ...

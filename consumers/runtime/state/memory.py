@@ -176,6 +176,9 @@ class MemoryStore:
     def __len__(self) -> int:
         return sum(len(p) for p in self._partitions.values())
 
+    def memory_bytes(self) -> int | None:
+        return None  # its states are Python objects: the process's heap, not measured apart
+
     async def restore(
         self,
         bootstrap: str,

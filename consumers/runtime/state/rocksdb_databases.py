@@ -50,6 +50,18 @@ class PartitionDatabases:
     def owned(self) -> set[int]:
         return set(self._parts)
 
+    def memory_bytes(self) -> int | None:
+        """What RocksDB holds in memory for the store: the memtables and the block cache, each one
+        bound shared by every partition, and the table readers' index and filter blocks, per
+        partition, growing with the states held (about 2 bytes a state)."""
+        readers = 0
+        for part in list(self._parts.values()):
+            try:
+                readers += part.db.property_int_value("rocksdb.estimate-table-readers-mem") or 0
+            except Exception:  # a database closed or damaged meanwhile: counted from the next read
+                continue
+        return int(self._memtables.get_usage() + self._cache.get_usage() + readers)
+
     def drop(self, partitions: Iterable[int]) -> None:
         """Close the partitions' databases; their files (and checkpoints) stay for a later take-over."""
         for p in partitions:
