@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,8 @@ POD_COLUMNS = (
 CENSUS_EVERY_S = 300.0
 #: The census keeps this many types, the most numerous.
 CENSUS_TYPES = 40
+#: ... and this many containers, the largest.
+CENSUS_LARGEST = 12
 #: What the bench samples, in its rows' order (after ``t_s``).
 BENCH_COLUMNS = ("created", "provisioned_seen", "deprovisioned_seen", "lag")
 
@@ -156,6 +159,22 @@ def _census() -> dict[str, int]:
     return {"total": sum(counts.values()), **dict(top)}
 
 
+def _largest() -> list[list[Any]]:
+    """The largest containers the collector tracks: a structure that grows with the work done shows
+    here by its length (its items, strings and numbers, are not tracked, so not in the census)."""
+    sized = [obj for obj in gc.get_objects() if isinstance(obj, dict | set | list | deque)]
+    biggest = heapq.nlargest(CENSUS_LARGEST, sized, key=len)
+    return [[type(obj).__name__, len(obj), _sample(obj)] for obj in biggest]
+
+
+def _sample(container: Any) -> str:
+    """One item of a container, short: enough to find the code that fills it."""
+    for item in container:
+        text = repr(item if not isinstance(container, dict) else (item, container[item]))
+        return text[:120]
+    return ""
+
+
 def _threads() -> int:
     """The process's threads, native ones included (librdkafka's, RocksDB's): /proc's count."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -210,7 +229,7 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
                 out.flush()
                 if now >= census_at:
                     census_at = now + CENSUS_EVERY_S
-                    census.write(json.dumps([round(now - began, 3), _census()]) + "\n")
+                    census.write(json.dumps([round(now - began, 3), _census(), _largest()]) + "\n")
                     census.flush()
                 if now - due > 5.0:  # the loop was held: sample from now on, not to catch up
                     due = now

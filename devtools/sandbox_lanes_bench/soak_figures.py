@@ -110,7 +110,7 @@ def summarise(fig: dict[str, Any]) -> dict[str, Any]:
 def census_growth(censuses: Sequence[Any], start: float) -> dict[str, Any]:
     """The types whose tracked objects grew the most from the first census after the warm-up to the
     last (a type missing from a census's top list counts as 0 there)."""
-    steady = [(t, counts) for t, counts in censuses if t >= start]
+    steady = [(c[0], c[1]) for c in censuses if c[0] >= start]
     if len(steady) < 2:
         return {}
     (t0, first), (t1, last) = steady[0], steady[-1]
@@ -118,7 +118,14 @@ def census_growth(censuses: Sequence[Any], start: float) -> dict[str, Any]:
         ((name, last.get(name, 0) - first.get(name, 0)) for name in set(first) | set(last)),
         key=lambda kv: -kv[1],
     )
-    return {"from_s": t0, "to_s": t1, "grown": dict(grown[:CENSUS_GROWTH])}
+    largest = [c[2] for c in censuses if c[0] >= start and len(c) > 2]
+    return {
+        "from_s": t0,
+        "to_s": t1,
+        "grown": dict(grown[:CENSUS_GROWTH]),
+        "largest_first": largest[0] if largest else [],
+        "largest_last": largest[-1] if largest else [],
+    }
 
 
 def _value(columns: list[str], row: list[Any], name: str) -> float:
