@@ -180,7 +180,8 @@ def _soak() -> dict[str, Any]:
     from sandbox_lanes_bench.soak import BENCH_COLUMNS, POD_COLUMNS, summarise
 
     pod_rows = [
-        [float(t), 60.0 + t % 3, 27, 70, 24, 50, 0.5, t, t, 0, 0, 0, 0, 20.0 + t % 3] for t in range(1, 181)
+        [float(t), 60.0 + t % 3, 27, 70, 24, 50, 0.5, t, t, 0, 0, 0, 0, 20.0 + t % 3, 200_000, 25.0, 3.0]
+        for t in range(1, 181)
     ]
     bench_rows = [[float(t), t, t, t, None if 100 <= t < 110 else 3] for t in range(1, 181)]
     return summarise(
