@@ -15,6 +15,7 @@ from pathlib import Path
 
 from rocksdict import Cache, WriteBufferManager
 
+from consumers.runtime.state.allocator import unmap_large_blocks
 from consumers.runtime.state.interface import REBUILD_REASONS
 from consumers.runtime.state.local_faults import guarded
 from consumers.runtime.state.rocksdb_partition import (
@@ -36,6 +37,7 @@ class PartitionDatabases:
         self.retention_s = retention_s
         self.directory = Path(directory) / topic
         self._parts: dict[int, RocksDBPartition] = {}
+        unmap_large_blocks()  # the memtables' blocks go back to the system when flushed
         self._memtables = WriteBufferManager(MEMTABLES_BYTES, False)
         self._cache = Cache(BLOCK_CACHE_BYTES)
         #: Partitions thrown away (:meth:`discard`, or a restore that could not rebuild them), with
