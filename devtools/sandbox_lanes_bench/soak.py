@@ -149,22 +149,23 @@ def _malloc() -> tuple[float, float]:
     return (round((info.uordblks + info.hblkhd) / MIB, 2), round(info.fordblks / MIB, 2))
 
 
-def _census() -> dict[str, int]:
-    """The objects the collector tracks, counted by type: the most numerous ``CENSUS_TYPES``."""
+def _census() -> tuple[dict[str, int], list[list[Any]]]:
+    """One walk of the objects the collector tracks: their counts by type (the most numerous
+    ``CENSUS_TYPES``), and the largest containers with one item each (a structure that grows with
+    the work done shows by its length: its items, strings and numbers, are not tracked)."""
     counts: dict[str, int] = {}
+    sized = []
     for obj in gc.get_objects():
         name = type(obj).__qualname__
         counts[name] = counts.get(name, 0) + 1
+        if isinstance(obj, dict | set | list | deque):
+            sized.append(obj)
     top = sorted(counts.items(), key=lambda kv: -kv[1])[:CENSUS_TYPES]
-    return {"total": sum(counts.values()), **dict(top)}
-
-
-def _largest() -> list[list[Any]]:
-    """The largest containers the collector tracks: a structure that grows with the work done shows
-    here by its length (its items, strings and numbers, are not tracked, so not in the census)."""
-    sized = [obj for obj in gc.get_objects() if isinstance(obj, dict | set | list | deque)]
     biggest = heapq.nlargest(CENSUS_LARGEST, sized, key=len)
-    return [[type(obj).__name__, len(obj), _sample(obj)] for obj in biggest]
+    return (
+        {"total": sum(counts.values()), **dict(top)},
+        [[type(obj).__name__, len(obj), _sample(obj)] for obj in biggest],
+    )
 
 
 def _sample(container: Any) -> str:
@@ -229,7 +230,7 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
                 out.flush()
                 if now >= census_at:
                     census_at = now + CENSUS_EVERY_S
-                    census.write(json.dumps([round(now - began, 3), _census(), _largest()]) + "\n")
+                    census.write(json.dumps([round(now - began, 3), *_census()]) + "\n")
                     census.flush()
                 if now - due > 5.0:  # the loop was held: sample from now on, not to catch up
                     due = now

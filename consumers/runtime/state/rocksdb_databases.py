@@ -55,7 +55,7 @@ class PartitionDatabases:
     def memory_bytes(self) -> int | None:
         """What RocksDB holds in memory for the store: the memtables and the block cache, each one
         bound shared by every partition, and the table readers' index and filter blocks, per
-        partition, growing with the states held (about 2 bytes a state)."""
+        partition, growing with the states held (about 3 bytes a state, bloom filters included)."""
         readers = 0
         for part in list(self._parts.values()):
             try:

@@ -78,6 +78,11 @@ def session_entry(session_id: bytes) -> bytes:
     return SESSION_PREFIX + struct.pack(">I", len(session_id)) + session_id
 
 
+def _session_keys(state: state_pb2.ExecutionState) -> list[bytes]:
+    """The sessions a state references, as its ``y<key>`` list keeps them (sorted)."""
+    return sorted(s.encode() for s in sessions_referenced(state))
+
+
 def pack_sessions(sessions: list[bytes]) -> bytes:
     """A ``y<key>`` value: the sessions, each length-prefixed (4 bytes)."""
     return b"".join(struct.pack(">I", len(s)) + s for s in sessions)
@@ -185,7 +190,7 @@ class RocksDBPartition:
             # in force when it was written may not be this one)
             old_at = db.get(REMOVABLE_PREFIX + key) if prior is not None and finished(prior) else None
             existed = prior is not None
-            old_sessions = [] if prior is None else sorted(s.encode() for s in sessions_referenced(prior))
+            old_sessions = [] if prior is None else _session_keys(prior)
         if old_at is not None:
             batch.delete(DUE_PREFIX + old_at + key)
         if raw is None or state is None:
@@ -199,7 +204,7 @@ class RocksDBPartition:
         self._index_sessions(
             batch,
             key,
-            sorted(s.encode() for s in sessions_referenced(state)),
+            _session_keys(state),
             old_sessions if existed else [],
         )
         if state.pending:
