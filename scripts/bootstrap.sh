@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what sandbox-lanes needs on a fresh Debian machine, idempotently:
 #   - system packages (only when missing): dockerd (docker.io), docker-compose, etcd, busybox-static,
-#     debootstrap, openssl, Java, Maven, Go, chromium, prometheus
+#     debootstrap, openssl, Java, Maven, Go, Node with npm, chromium, prometheus
 #   - a virtualenv at .venv with the project and its test dependencies
 # Usage: scripts/bootstrap.sh [--system] [--python]   (no flag = both)
 set -euo pipefail
@@ -37,6 +37,8 @@ if [[ $want_system -eq 1 ]]; then
   command -v openssl >/dev/null || missing+=(openssl)
   command -v javac >/dev/null || missing+=(openjdk-17-jdk-headless)  # javac: the Java producer of the codec test
   command -v mvn >/dev/null || missing+=(maven)
+  # the TypeScript producer of the input-formats test (tests/support/node_producers.py)
+  { command -v node >/dev/null && command -v npm >/dev/null; } || missing+=(nodejs npm)
   command -v go >/dev/null || [[ -x /usr/local/go/bin/go ]] || missing+=(golang-go)
   # the explain page is opened in a real headless browser (tests/integration/test_audit.py)
   command -v chromium >/dev/null || missing+=(chromium chromium-driver)

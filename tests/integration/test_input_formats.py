@@ -39,7 +39,7 @@ from events import schema_registry
 from events.codec import encode, new_meta
 from events.sandbox_lanes.v1 import common_pb2, inputs_pb2
 from tests.support.foreign_producers import RawRecord, java_produce, librdkafka_produce
-from tests.support.node_producers import NodeRecord, node_available, node_produce
+from tests.support.node_producers import NodeRecord, node_produce
 from tests.support.pod_harness import create_inputs, produce, read_topic, running_pod, unique_env
 
 pytestmark = pytest.mark.kafka
@@ -130,7 +130,6 @@ async def _outcomes(bootstrap: str, topic: str, keys: list[str], want: int) -> d
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(not node_available(), reason="node and npm are needed for the TypeScript producer")
 async def test_every_producer_style_is_provisioned_and_torn_down(
     kafka_broker: KafkaBroker, tmp_path: Path
 ) -> None:

@@ -26,10 +26,6 @@ SCRIPT = Path(__file__).resolve().parent / "node" / "produce_styles.mjs"
 _install_lock = threading.Lock()
 
 
-def node_available() -> bool:
-    return shutil.which("node") is not None and shutil.which("npm") is not None
-
-
 def _cache() -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "sandbox-lanes" / "node-producers"
     with _install_lock:
