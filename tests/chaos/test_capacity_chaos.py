@@ -151,12 +151,20 @@ async def test_three_pods_hold_the_cap_through_a_kill_and_a_broker_restart(tmp_p
         sampler = asyncio.create_task(sample())
         watcher = asyncio.create_task(watch())
         await produce(broker.bootstrap, env, *creates)
-        # The faults, during the burst: a pod killed and restarted, then the broker restarted.
-        await asyncio.sleep(4)
+
+        # The faults, during the burst: a pod killed and restarted once a quarter of the executions
+        # are provisioned, then the broker restarted once half are; neither after the last teardown.
+        async def provisioned(n: int) -> None:
+            while len(provisions) < n:
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(provisioned(CREATES // 4), 120)
+        assert len(teardowns) < CREATES, "the burst was over before the kill"
         pods["pod-b"].kill9()
         await asyncio.sleep(1)
         start("pod-b")
-        await asyncio.sleep(4)
+        await asyncio.wait_for(provisioned(CREATES // 2), 120)
+        assert len(teardowns) < CREATES, "the burst was over before the broker restart"
         await asyncio.to_thread(broker.restart)
         try:
             await asyncio.wait_for(done.wait(), 420)
