@@ -246,16 +246,7 @@ async def _compactions_settled(states: Any, timeout_s: float) -> float:
     the store as it stands once settled, not the restore's tail (the rounds' first ran 0.90 x the
     empty store where the next two ran 0.96 x)."""
     started = time.monotonic()
-    parts = states._parts  # the RocksDB store's databases (the bench runs no other store)
-
-    def busy() -> bool:
-        return any(
-            part.db.property_int_value("rocksdb.compaction-pending")
-            or part.db.property_int_value("rocksdb.num-running-compactions")
-            for part in parts.values()
-        )
-
-    while busy() and time.monotonic() - started < timeout_s:
+    while states.compactions_busy() and time.monotonic() - started < timeout_s:
         await asyncio.sleep(0.5)
     return time.monotonic() - started
 

@@ -64,6 +64,19 @@ class PartitionDatabases:
                 continue
         return int(self._memtables.get_usage() + self._cache.get_usage() + readers)
 
+    def compactions_busy(self) -> bool:
+        """Whether any partition's database has a compaction pending or running (a restore from
+        empty leaves many overlapping level-0 files to merge in the background)."""
+        for part in list(self._parts.values()):
+            try:
+                if part.db.property_int_value("rocksdb.compaction-pending") or part.db.property_int_value(
+                    "rocksdb.num-running-compactions"
+                ):
+                    return True
+            except Exception:  # a database closed or damaged meanwhile: not this one's work
+                continue
+        return False
+
     def drop(self, partitions: Iterable[int]) -> None:
         """Close the partitions' databases; their files (and checkpoints) stay for a later take-over."""
         for p in partitions:
