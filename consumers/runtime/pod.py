@@ -32,7 +32,6 @@ from consumers.runtime.commit_book import CommitBook
 from consumers.runtime.config_log import record_lane_config_soon
 from consumers.runtime.create_order import CreateOrderGate
 from consumers.runtime.effects import EffectRunner
-from consumers.runtime.failure_policy import Action, Site, classify, decide
 from consumers.runtime.kafka.clients import (
     RebalanceHooks,
     group_consumer_for,
@@ -45,22 +44,18 @@ from consumers.runtime.kafka.topology import prepare_pod_topics
 from consumers.runtime.loop_watch import LoopWatch
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.ownership import Ownership
+from consumers.runtime.periodic import move_checkpoints, watch_cluster
 from consumers.runtime.pod_config import Health, PodConfig, PodStats, assess_health
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.shutdown import end_tasks, run_until_bound
 from consumers.runtime.stall_guard import StallGuard
-from consumers.runtime.state.interface import CHECKPOINT_INTERVAL_S, StateStoreFault
 from consumers.runtime.state.store import HeldStates, MemoryStore, StateStore
 from consumers.runtime.turn import Turns
-from resilience.episode import Episode
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
 #: Part of the shutdown bound kept for closing the consumer and producer.
 _CLOSE_RESERVE_S = 5.0
-#: How often the pod asks the cluster for its metadata (is it reachable at all), and how long it waits.
-_PROBE_EVERY_S = 5.0
-_PROBE_TIMEOUT_S = 10.0
 
 
 class _UnwaitedExecutor(ThreadPoolExecutor):
@@ -279,8 +274,8 @@ class Pod:
         self._running = True
         loop = asyncio.get_running_loop()
         self._background.append(loop.create_task(self.stall_guard.watch(self._stop)))
-        self._background.append(loop.create_task(self._checkpoints()))
-        self._background.append(loop.create_task(self._watch_cluster()))
+        self._background.append(loop.create_task(move_checkpoints(self._store, self.ownership, self._stop)))
+        self._background.append(loop.create_task(watch_cluster(lambda: self.consumer, self._stop)))
         if self.config.topics.capacity_on:  # the capacity ledger: owned by one pod of the group
             ledger = CapacityLedgerTask(self.config, CapacityMetrics(self.metrics.registry), self._stop)
             self._background.append(loop.create_task(ledger.run()))
@@ -326,64 +321,6 @@ class Pod:
         those of the per-partition transactions it starts) are not counted as standing still."""
         with self.loop_watch.serving():
             await self.turns.loop()
-
-    async def _checkpoints(self) -> None:
-        """Every few seconds, off the turn, the store's checkpoints move forward (a disk store: see
-        :meth:`RocksDBStore.checkpoint`); one that fails leaves them where they were (a longer
-        tail), or, the local state's fault, has the partition rebuilt (the failure policy)."""
-        episode = Episode(
-            "moving the state checkpoints", logger, first_delay_s=CHECKPOINT_INTERVAL_S, max_delay_s=60.0
-        )
-        delay = CHECKPOINT_INTERVAL_S
-        while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), delay)
-            if self._stop.is_set():
-                return
-            try:
-                await self._store.checkpoint(
-                    {p for p in self.ownership.owned if self.ownership.fetchable(p)} & self._store.owned()
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                delay = max(CHECKPOINT_INTERVAL_S, episode.failed(exc))
-                if decide(Site.CHECKPOINT, classify(exc)).action is Action.REBUILD and isinstance(
-                    exc, StateStoreFault
-                ):
-                    async with self.ownership.batch_lock:  # never beneath a transaction of its own
-                        self.ownership.rebuild(exc.partition, exc.reason)
-                continue
-            delay = CHECKPOINT_INTERVAL_S
-            episode.recovered()
-
-    async def _watch_cluster(self) -> None:
-        """Whether the cluster can be reached at all, as an episode of its own.
-
-        Through a whole outage aiokafka's fetch just returns nothing (its retries are its own), so
-        no turn fails and nothing of the pod's would say the cluster is gone. A metadata request
-        every few seconds, bounded, says it: one ERROR when the cluster cannot be reached, a
-        reminder while it lasts, one line when it is back."""
-        episode = Episode(
-            "reaching the Kafka cluster", logger, first_delay_s=_PROBE_EVERY_S, max_delay_s=_PROBE_EVERY_S
-        )
-        while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), _PROBE_EVERY_S)
-            consumer = self.consumer
-            if self._stop.is_set() or consumer is None:
-                return
-            try:
-                await asyncio.wait_for(consumer.topics(), _PROBE_TIMEOUT_S)
-            except asyncio.CancelledError:
-                raise
-            except TimeoutError:
-                episode.failed(f"no metadata answer within {_PROBE_TIMEOUT_S:.0f} s")
-                continue
-            except Exception as exc:  # the world's, by definition here
-                episode.failed(exc)
-                continue
-            episode.recovered()
 
     async def _stop_background(self) -> None:
         self._stop.set()  # background tasks end on the stop signal too (also when the loop raised)
