@@ -229,7 +229,6 @@ class CapacityLedgerTask:
                         await self._failed(exc)
         finally:
             self._drop()
-            self._offsets.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._consumer.stop(), 10)
 

@@ -95,5 +95,4 @@ async def test_no_offset_is_read_while_a_transaction_holds_the_groups_offsets(
         await asyncio.to_thread(producer.abort_transaction, TIMEOUT_S)
         assert await asyncio.wait_for(reader.read([topic]), TIMEOUT_S) == [5]
     finally:
-        reader.close()
         producer.flush(0)

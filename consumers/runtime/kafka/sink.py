@@ -308,8 +308,6 @@ class PartitionSinks:
 
     async def stop(self) -> None:
         await self.close(list(self._sinks))
-        if self._stable is not None:
-            self._stable.close()
         if self._shared is not None:
             with contextlib.suppress(Exception):
                 await self._shared.stop()

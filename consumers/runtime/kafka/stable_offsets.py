@@ -13,7 +13,7 @@ transaction are pending for the group (Kafka 4's coordinator also orders the rea
 it has taken), and the read is asked again, briefly, until it is stable; the caller's deadline
 bounds the whole wait, as every other broker wait of a take-over.
 
-One admin client per pod, opened at the first read, released off the loop at the pod's stop.
+Each read opens librdkafka's admin client and releases it off the loop once answered.
 """
 
 from __future__ import annotations
@@ -60,14 +60,17 @@ class Unstable(AskAgain):
 
 
 class StableOffsets:
-    """Reads one group's committed offsets with ``require_stable`` (librdkafka's admin client)."""
+    """Reads one group's committed offsets with ``require_stable`` (librdkafka's admin client).
+
+    Each read opens an admin client of its own and releases it when answered: take-overs are rare,
+    and a handle kept between them would hold its threads and connections, and queue its log lines
+    (served only when polled) through an outage for nothing."""
 
     def __init__(self, config: Mapping[str, Any], group_id: str, *, timeout_s: float) -> None:
         #: librdkafka options (bootstrap, security; a producer's own options are accepted and unused).
         self._config = {**config, "logger": logger}
         self._group_id = group_id
         self._timeout_s = timeout_s
-        self._admin: AdminClient | None = None
 
     async def read(self, tps: Sequence[TopicPartition]) -> list[int | None]:
         """The committed offset of each of ``tps`` (None: none committed), once none is pending.
@@ -78,21 +81,32 @@ class StableOffsets:
         if not tps:
             return []
         again = Backoff(first_s=_UNSTABLE_FIRST_S, cap_s=_UNSTABLE_CAP_S)
-        while True:
-            try:
-                return await self.read_once(tps)
-            except AskAgain:
-                await asyncio.sleep(again.failed())
+        admin = AdminClient(self._config)
+        try:
+            while True:
+                try:
+                    return await self._ask(admin, tps)
+                except AskAgain:
+                    await asyncio.sleep(again.failed())
+        finally:
+            _release_soon(admin)
+            del admin
 
     async def read_once(self, tps: Sequence[TopicPartition]) -> list[int | None]:
         """One OffsetFetch with ``require_stable``: :class:`Unstable` while offsets are pending,
         :class:`AskAgain` while the coordinator loads or moves."""
-        if self._admin is None:
-            self._admin = AdminClient(self._config)
+        admin = AdminClient(self._config)
+        try:
+            return await self._ask(admin, tps)
+        finally:
+            _release_soon(admin)
+            del admin
+
+    async def _ask(self, admin: AdminClient, tps: Sequence[TopicPartition]) -> list[int | None]:
         request = ConsumerGroupTopicPartitions(
             self._group_id, [RdTopicPartition(tp.topic, tp.partition) for tp in tps]
         )
-        futures = self._admin.list_consumer_group_offsets(
+        futures = admin.list_consumer_group_offsets(
             [request], require_stable=True, request_timeout=self._timeout_s
         )
         try:
@@ -104,6 +118,8 @@ class StableOffsets:
             if isinstance(error, KafkaError) and error.code() in _COORDINATOR_CODES:
                 raise AskAgain(str(exc)) from exc
             raise translate(exc) from exc
+        finally:
+            admin.poll(0)  # its log lines, to the pod's logger
         found: dict[tuple[str, int], int | None] = {}
         for tp in answer.topic_partitions or []:
             if tp.error is not None:
@@ -115,15 +131,10 @@ class StableOffsets:
             found[(tp.topic, tp.partition)] = None if tp.offset < 0 else tp.offset  # -1001: none
         return [found.get((tp.topic, tp.partition)) for tp in tps]
 
-    def close(self) -> None:
-        """Release the admin client in a daemon thread: librdkafka's destroy may wait on a broker."""
-        admin, self._admin = self._admin, None
-        if admin is None:
-            return
-        threading.Thread(
-            target=_release, args=(admin,), name="sandbox-lanes-close-offsets", daemon=True
-        ).start()
-        del admin
+
+def _release_soon(admin: AdminClient) -> None:
+    """Release the admin client in a daemon thread: librdkafka's destroy may wait on a broker."""
+    threading.Thread(target=_release, args=(admin,), name="sandbox-lanes-close-offsets", daemon=True).start()
 
 
 def _release(handle: AdminClient) -> None:
