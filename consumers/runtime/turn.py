@@ -296,7 +296,8 @@ class Turns:
         with contextlib.suppress(Exception):  # revoked meanwhile: the next call sees the new assignment
             if resumed:
                 consumer.resume(*resumed)
-            paused = [tp for tp in assigned if tp not in set(resumed)]
+            fetched = set(resumed)
+            paused = [tp for tp in assigned if tp not in fetched]
             if paused:
                 consumer.pause(*paused)
 

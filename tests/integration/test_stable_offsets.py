@@ -5,14 +5,16 @@ transaction's offsets are pending at the group coordinator, a plain OffsetFetch 
 0-3) answers with what was materialised before; a take-over that read that would seek back before
 inputs whose state it then restores, and ignore them as duplicates. The pod's reader
 (``StableOffsets``, used by ``PartitionSinks.committed`` and the capacity ledger) answers nothing
-while they are pending, and the committed offsets once the transaction ends, whichever way it ends.
+while they are pending (it is told to ask again, and does), and the committed offsets once the
+transaction ends, whichever way it ends. The reader gets the pod's own librdkafka options.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -20,8 +22,12 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from confluent_kafka import Producer
 from confluent_kafka import TopicPartition as RdTopicPartition
 
+from consumers.ops.compose import pod_config
+from consumers.ops.settings import load_settings
+from consumers.runtime.kafka.clients import txn_producer_config
 from consumers.runtime.kafka.stable_offsets import StableOffsets, Unstable
 from consumers.runtime.kafka.txn_producer import group_metadata
+from tests.support.pod_harness import unique_env
 
 pytestmark = pytest.mark.kafka
 
@@ -69,12 +75,20 @@ async def _plain_committed(bootstrap: str, group: str, tp: TopicPartition) -> in
         await consumer.stop()
 
 
+async def _until(condition: Callable[[], bool]) -> None:
+    """Wait for ``condition`` (a broker's answer), up to the test's timeout: a wait, not a verdict."""
+    async with asyncio.timeout(TIMEOUT_S):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
 async def test_no_offset_is_read_while_a_transaction_holds_the_groups_offsets(
-    kafka_bootstrap: str, names: tuple[str, str], topic: TopicPartition
+    kafka_bootstrap: str, names: tuple[str, str], topic: TopicPartition, tmp_path: Path
 ) -> None:
     group = names[1]
     other = TopicPartition(topic.topic, 1)
-    reader = StableOffsets({"bootstrap.servers": kafka_bootstrap}, group, timeout_s=TIMEOUT_S)
+    config = txn_producer_config(pod_config(load_settings(unique_env(kafka_bootstrap, tmp_path))))
+    reader = StableOffsets(config, group, timeout_s=TIMEOUT_S)
     producer = _producer(kafka_bootstrap)
     try:
         assert await reader.read([topic, other]) == [None, None]  # nothing committed: None, not unstable
@@ -85,6 +99,8 @@ async def test_no_offset_is_read_while_a_transaction_holds_the_groups_offsets(
         with pytest.raises(Unstable):
             await reader.read_once([topic])
         waiting = asyncio.ensure_future(reader.read([topic, other]))
+        await _until(lambda: reader.asked_again > 0 or waiting.done())
+        assert not waiting.done()  # told to ask again, still asking: no answer while pending
         await asyncio.to_thread(producer.commit_transaction, TIMEOUT_S)
         assert await asyncio.wait_for(waiting, TIMEOUT_S) == [5, None]
 

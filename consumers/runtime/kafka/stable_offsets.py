@@ -10,17 +10,19 @@ as duplicates. No outcome goes wrong (the state's dedupe holds), but it is work 
 versions 0-3, which cannot ask for stable offsets; librdkafka's admin client can. With
 ``require_stable`` the coordinator answers ``UNSTABLE_OFFSET_COMMIT`` while offsets of an open
 transaction are pending for the group (Kafka 4's coordinator also orders the read after every write
-it has taken), and the read is asked again, briefly, until it is stable; the caller's deadline
-bounds the whole wait, as every other broker wait of a take-over.
+it has taken), and the read is asked again, briefly, until it is stable, within the transaction
+timeout (then :class:`StillUnstable`, the world's: the take-over is retried).
 
-Each read opens librdkafka's admin client and releases it off the loop once answered.
+Each read runs in a daemon thread of its own, from the admin client's creation to its destruction
+(librdkafka's destroy may wait on a broker, and an OAUTHBEARER token is fetched by a callback the
+client's ``poll`` serves): nothing of it blocks the event loop. Its log lines go to the pod's logger.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
@@ -29,7 +31,8 @@ from confluent_kafka import ConsumerGroupTopicPartitions, KafkaError, KafkaExcep
 from confluent_kafka import TopicPartition as RdTopicPartition
 from confluent_kafka.admin import AdminClient
 
-from consumers.runtime.kafka.producer_errors import as_aiokafka, translate
+from consumers.runtime.kafka.producer_errors import TransactionError, as_aiokafka, translate
+from consumers.runtime.kafka.producer_thread import Worker
 from resilience.backoff import Backoff
 
 logger = logging.getLogger("sandbox_lanes.librdkafka")
@@ -39,8 +42,8 @@ logger = logging.getLogger("sandbox_lanes.librdkafka")
 #: timeout).
 _UNSTABLE_FIRST_S: Final = 0.02
 _UNSTABLE_CAP_S: Final = 0.5
-
-
+#: How much longer than its request's timeout an answer is waited for (librdkafka ends it by then).
+_BACKSTOP_S: Final = 5.0
 #: The group's coordinator is loading, moving or away: asked again, as aiokafka's own read does.
 _COORDINATOR_CODES: Final = frozenset(
     {
@@ -52,74 +55,99 @@ _COORDINATOR_CODES: Final = frozenset(
 
 
 class AskAgain(Exception):
-    """An answer that says to ask again shortly (the caller's deadline bounds how long)."""
+    """An answer that says to ask again shortly."""
 
 
 class Unstable(AskAgain):
     """The group still had pending transactional offsets for these partitions."""
 
 
-class StableOffsets:
-    """Reads one group's committed offsets with ``require_stable`` (librdkafka's admin client).
+class StillUnstable(TransactionError):
+    """No stable answer within the read's deadline (a failure of the world: the take-over retries)."""
 
-    Each read opens an admin client of its own and releases it when answered: take-overs are rare,
-    and a handle kept between them would hold its threads and connections, and queue its log lines
-    (served only when polled) through an outage for nothing."""
+
+class StableOffsets:
+    """Reads one group's committed offsets with ``require_stable`` (librdkafka's admin client)."""
 
     def __init__(self, config: Mapping[str, Any], group_id: str, *, timeout_s: float) -> None:
         #: librdkafka options (bootstrap, security; a producer's own options are accepted and unused).
         self._config = {**config, "logger": logger}
         self._group_id = group_id
+        #: How long one read may ask, all answers included; past it :class:`StillUnstable`.
         self._timeout_s = timeout_s
+        #: Answers "unstable" or "coordinator not ready" seen so far (asked again each time).
+        self.asked_again = 0
 
     async def read(self, tps: Sequence[TopicPartition]) -> list[int | None]:
         """The committed offset of each of ``tps`` (None: none committed), once none is pending.
 
-        Asked again here, after a short backoff: "unstable", and a coordinator loading or moving
-        (aiokafka's read retried those too). Any other failure (a timeout, authorisation) is raised
-        as aiokafka's class for its code, for the caller's failure policy."""
-        if not tps:
-            return []
-        again = Backoff(first_s=_UNSTABLE_FIRST_S, cap_s=_UNSTABLE_CAP_S)
-        admin = AdminClient(self._config)
-        try:
-            while True:
-                try:
-                    return await self._ask(admin, tps)
-                except AskAgain:
-                    await asyncio.sleep(again.failed())
-        finally:
-            _release_soon(admin)
-            del admin
+        Asked again, after a short backoff, while the answer is "unstable" or the coordinator is
+        loading or moving (aiokafka's read retried those too), up to the timeout; then
+        :class:`StillUnstable` with the last answer. Any other failure (a timeout, authorisation) is
+        raised as aiokafka's class for its code, for the caller's failure policy."""
+        return await self._in_a_thread(tps, again=True)
 
     async def read_once(self, tps: Sequence[TopicPartition]) -> list[int | None]:
         """One OffsetFetch with ``require_stable``: :class:`Unstable` while offsets are pending,
         :class:`AskAgain` while the coordinator loads or moves."""
-        admin = AdminClient(self._config)
-        try:
-            return await self._ask(admin, tps)
-        finally:
-            _release_soon(admin)
-            del admin
+        return await self._in_a_thread(tps, again=False)
 
-    async def _ask(self, admin: AdminClient, tps: Sequence[TopicPartition]) -> list[int | None]:
+    async def _in_a_thread(self, tps: Sequence[TopicPartition], *, again: bool) -> list[int | None]:
+        if not tps:
+            return []
+        worker = Worker("sandbox-lanes-stable-offsets")
+        given_up = threading.Event()  # the caller stopped waiting (its deadline, a revocation)
+        try:
+            return await worker.submit(lambda: self._read_blocking(list(tps), again, given_up))
+        finally:
+            given_up.set()
+            worker.stop()
+
+    def _read_blocking(
+        self, tps: list[TopicPartition], again: bool, given_up: threading.Event
+    ) -> list[int | None]:
+        """In the worker thread: the client made, asked, and destroyed here (the box holds the only
+        reference, so no frame a traceback keeps can carry the handle to another thread)."""
+        box = [AdminClient(self._config)]
+        deadline = time.monotonic() + self._timeout_s
+        backoff = Backoff(first_s=_UNSTABLE_FIRST_S, cap_s=_UNSTABLE_CAP_S)
+        try:
+            box[0].poll(0)  # serves an OAUTHBEARER token callback before the first request
+            while True:
+                try:
+                    return self._ask(box, tps, deadline)
+                except AskAgain as answer:
+                    self.asked_again += 1
+                    pause = backoff.failed()
+                    if not again:
+                        raise
+                    if time.monotonic() + pause > deadline:
+                        raise StillUnstable(
+                            f"no stable committed offsets within {self._timeout_s:g} s: {answer}"
+                        ) from None
+                    if given_up.wait(pause):
+                        raise StillUnstable("the caller stopped waiting") from None
+        finally:
+            box[0].poll(0)  # its log lines, to the pod's logger
+            box.clear()  # destroyed here, in this thread
+
+    def _ask(self, box: list[AdminClient], tps: list[TopicPartition], deadline: float) -> list[int | None]:
         request = ConsumerGroupTopicPartitions(
             self._group_id, [RdTopicPartition(tp.topic, tp.partition) for tp in tps]
         )
-        futures = admin.list_consumer_group_offsets(
-            [request], require_stable=True, request_timeout=self._timeout_s
+        remaining = max(0.1, deadline - time.monotonic())
+        futures = box[0].list_consumer_group_offsets(
+            [request], require_stable=True, request_timeout=remaining
         )
-        try:
-            answer = await asyncio.wrap_future(futures[self._group_id])
+        try:  # librdkafka ends the request by its timeout; the wait's own bound is a backstop
+            answer = futures[self._group_id].result(timeout=remaining + _BACKSTOP_S)
         except KafkaException as exc:
             error = exc.args[0] if exc.args else None
             if _unstable(error):
-                raise Unstable(str(exc)) from exc
+                raise Unstable(str(exc)) from None
             if isinstance(error, KafkaError) and error.code() in _COORDINATOR_CODES:
-                raise AskAgain(str(exc)) from exc
-            raise translate(exc) from exc
-        finally:
-            admin.poll(0)  # its log lines, to the pod's logger
+                raise AskAgain(str(exc)) from None
+            raise translate(exc) from None
         found: dict[tuple[str, int], int | None] = {}
         for tp in answer.topic_partitions or []:
             if tp.error is not None:
@@ -129,17 +157,10 @@ class StableOffsets:
                     raise AskAgain(f"{tp.topic} [{tp.partition}]: {tp.error}")
                 raise as_aiokafka(tp.error, f"{tp.topic} [{tp.partition}]")
             found[(tp.topic, tp.partition)] = None if tp.offset < 0 else tp.offset  # -1001: none
-        return [found.get((tp.topic, tp.partition)) for tp in tps]
-
-
-def _release_soon(admin: AdminClient) -> None:
-    """Release the admin client in a daemon thread: librdkafka's destroy may wait on a broker."""
-    threading.Thread(target=_release, args=(admin,), name="sandbox-lanes-close-offsets", daemon=True).start()
-
-
-def _release(handle: AdminClient) -> None:
-    """Holds the last reference: the handle is destroyed when this returns, in this thread."""
-    del handle
+        missing = [f"{tp.topic} [{tp.partition}]" for tp in tps if (tp.topic, tp.partition) not in found]
+        if missing:
+            raise TransactionError(f"the group's offsets came back without {', '.join(missing)}")
+        return [found[(tp.topic, tp.partition)] for tp in tps]
 
 
 def _unstable(error: Any) -> bool:
