@@ -41,6 +41,7 @@ import os
 import sys
 import tempfile
 import time
+import tracemalloc
 import uuid
 from collections import deque
 from collections.abc import Sequence
@@ -49,7 +50,7 @@ from typing import Any
 
 from consumers.ops.progress import progress
 from sandbox_lanes_bench.common import child_process, read_status
-from sandbox_lanes_bench.soak_figures import draw, extra_lines, report_rows, summarise
+from sandbox_lanes_bench.soak_figures import draw, extra_lines, report_rows, summarise, warmup_s
 
 MIB = 1024 * 1024
 PARTITIONS = 3
@@ -79,6 +80,8 @@ CENSUS_EVERY_S = 300.0
 CENSUS_TYPES = 40
 #: ... and this many containers, the largest.
 CENSUS_LARGEST = 12
+#: With ``--soak-trace-allocations``: the allocation sites listed per census, those grown most.
+TRACE_SITES = 15
 #: What the bench samples, in its rows' order (after ``t_s``).
 BENCH_COLUMNS = ("created", "provisioned_seen", "deprovisioned_seen", "lag")
 
@@ -100,6 +103,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--soak-store", choices=("rocksdb", "memory"), default="rocksdb", help="the soak pod's state store"
     )
     group.add_argument(
+        "--soak-trace-allocations",
+        type=int,
+        default=0,
+        metavar="FRAMES",
+        help="trace the pod's Python allocations (tracemalloc, this many frames; it slows the pod): each "
+        "census also lists the allocation sites that grew most since the first after the warm-up",
+    )
+    group.add_argument(
         "--soak-dir",
         default=None,
         help="where the sample rows are written as they come (default: a temp dir)",
@@ -113,6 +124,7 @@ def argv_of(args: argparse.Namespace) -> list[str]:
         f"--soak-lifetime-s {args.soak_lifetime_s:g} --soak-retention-s {args.soak_retention_s} "
         f"--soak-bounce-every-s {args.soak_bounce_every_s:g} "
         f"--soak-bounce-down-s {args.soak_bounce_down_s:g} --soak-store {args.soak_store}"
+        + (f" --soak-trace-allocations {args.soak_trace_allocations}" if args.soak_trace_allocations else "")
     ]
 
 
@@ -168,6 +180,32 @@ def _census() -> tuple[dict[str, int], list[list[Any]]]:
     )
 
 
+class AllocationTrace:
+    """tracemalloc's view of the pod's Python allocations: the sites that grew most between the first
+    snapshot taken after the warm-up and each later one (what a census's type counts cannot show:
+    strings and numbers, and the dicts holding only them, which the collector does not track)."""
+
+    def __init__(self, frames: int, from_s: float) -> None:
+        self._from_s = from_s
+        self._base: tracemalloc.Snapshot | None = None
+        tracemalloc.start(frames)
+
+    def grown(self, t_s: float) -> list[list[Any]]:
+        if t_s < self._from_s:
+            return []
+        snapshot = tracemalloc.take_snapshot().filter_traces(
+            (tracemalloc.Filter(False, tracemalloc.__file__),)
+        )
+        if self._base is None:
+            self._base = snapshot
+            return []
+        stats = snapshot.compare_to(self._base, "traceback")[:TRACE_SITES]
+        return [
+            [stat.size_diff, stat.count_diff, " <- ".join(f"{f.filename}:{f.lineno}" for f in stat.traceback)]
+            for stat in stats
+        ]
+
+
 def _sample(container: Any) -> str:
     """One item of a container, short: enough to find the code that fills it."""
     for item in container:
@@ -193,6 +231,7 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
     from sandbox_lanes_bench.common import memory_provisioner, running_pod
 
     provisioner = memory_provisioner(ensure_latency_ms=spec["ensure_latency_ms"])
+    trace = AllocationTrace(spec["trace_frames"], spec["trace_from_s"]) if spec["trace_frames"] else None
     async with running_pod(spec["env"], provisioner=provisioner) as pod:
         conn.send({"ready": True, "pid": os.getpid()})
         began = time.perf_counter()
@@ -230,7 +269,9 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
                 out.flush()
                 if now >= census_at:
                     census_at = now + CENSUS_EVERY_S
-                    census.write(json.dumps([round(now - began, 3), *_census()]) + "\n")
+                    at = round(now - began, 3)
+                    grown = [trace.grown(at)] if trace is not None else []
+                    census.write(json.dumps([at, *_census(), *grown]) + "\n")
                     census.flush()
                 if now - due > 5.0:  # the loop was held: sample from now on, not to catch up
                     due = now
@@ -561,6 +602,14 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
         "samples": str(pod_samples),
         "census": str(census_samples),
         "ensure_latency_ms": 5.0,
+        "trace_frames": args.soak_trace_allocations,
+        "trace_from_s": warmup_s(
+            {
+                "minutes": args.minutes,
+                "retention_s": args.soak_retention_s,
+                "lifetime_s": args.soak_lifetime_s,
+            }
+        ),
     }
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -119,12 +119,15 @@ def census_growth(censuses: Sequence[Any], start: float) -> dict[str, Any]:
         key=lambda kv: -kv[1],
     )
     largest = [c[2] for c in censuses if c[0] >= start and len(c) > 2]
+    traced = [c[3] for c in censuses if c[0] >= start and len(c) > 3 and c[3]]
     return {
         "from_s": t0,
         "to_s": t1,
         "grown": dict(grown[:CENSUS_GROWTH]),
         "largest_first": largest[0] if largest else [],
         "largest_last": largest[-1] if largest else [],
+        # --soak-trace-allocations: [size grown, count grown, traceback] of the sites grown most
+        "allocations_grown": traced[-1] if traced else [],
     }
 
 
@@ -224,6 +227,8 @@ def extra_lines(fig: dict[str, Any]) -> list[str]:
             f"\nObjects tracked, grown from minute {growth['from_s'] / 60:.0f} to {growth['to_s'] / 60:.0f}: "
             + grown
         )
+    for size, count, where in growth.get("allocations_grown", [])[:5]:
+        lines.append(f"\nAllocations grown {size / 1024:+,.0f} KiB ({count:+,} blocks) at {where}")
     return lines
 
 
