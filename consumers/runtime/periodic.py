@@ -1,4 +1,5 @@
-"""The pod's periodic work beside its loop: the state checkpoints, and the probe of the cluster.
+"""The pod's periodic work beside its loop: the state checkpoints, the probe of the cluster, and the
+allocator's free pages given back to the system.
 
 Each runs in a task of its own until the pod's stop event is set; a failure of either is an episode
 (one ERROR, reminders while it lasts, one line when it ends), never a reason to stop.
@@ -16,6 +17,7 @@ from aiokafka import AIOKafkaConsumer
 
 from consumers.runtime.failure_policy import Action, Site, classify, decide
 from consumers.runtime.ownership import Ownership
+from consumers.runtime.state.allocator import release_free_pages
 from consumers.runtime.state.interface import CHECKPOINT_INTERVAL_S, StateStoreFault
 from consumers.runtime.state.store import StateStore
 from resilience.episode import Episode
@@ -25,6 +27,9 @@ logger = logging.getLogger("sandbox_lanes.pod")
 #: How often the cluster is probed, and how long a probe may wait for its answer.
 PROBE_EVERY_S: Final = 5.0
 PROBE_TIMEOUT_S: Final = 10.0
+#: How often glibc's free pages are given back (a trim of a few MiB of free chunks takes well under
+#: a millisecond; it runs in a worker thread all the same, as it holds the arenas' locks).
+TRIM_EVERY_S: Final = 60.0
 
 
 async def move_checkpoints(store: StateStore, ownership: Ownership, stop: asyncio.Event) -> None:
@@ -83,3 +88,15 @@ async def watch_cluster(consumer: Callable[[], AIOKafkaConsumer | None], stop: a
             episode.failed(exc)
             continue
         episode.recovered()
+
+
+async def give_back_free_pages(stop: asyncio.Event) -> None:
+    """Once a minute, glibc's free pages back to the system (:mod:`~consumers.runtime.state.allocator`):
+    the RSS follows what the process holds, not the most it ever held in each arena."""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), TRIM_EVERY_S)
+        if stop.is_set():
+            return
+        if await asyncio.to_thread(release_free_pages) is None:
+            return  # not glibc: its allocator needs no help

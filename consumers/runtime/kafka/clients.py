@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
 from consumers.runtime.pod_config import PodConfig
+
+#: librdkafka closes a transactional producer's broker connection idle this long (see below).
+IDLE_CONNECTION_MS: Final = 60_000
 
 
 def producer_options_for(cfg: PodConfig) -> dict[str, Any]:
@@ -44,6 +47,12 @@ def txn_producer_config(cfg: PodConfig) -> dict[str, Any]:
         # Right after a commit the coordinator answers ConcurrentTransactions until its markers
         # are written; a short backoff before the next transaction's first request.
         "retry.backoff.ms": 20,
+        # An abandoned producer stuck in send_offsets_to_transaction (librdkafka 5456, 5511: its
+        # request waits for a broker state change once its group coordinator went away) lingers,
+        # with its threads and buffers, until one of its brokers changes state: in the soak, the
+        # next bounce, minutes later. Its connections idle out after this and are closed, which
+        # is such a change. A live producer's connections are busy; an idle one reconnects.
+        "connections.max.idle.ms": IDLE_CONNECTION_MS,
         **cfg.security.librdkafka_options(),
     }
 
