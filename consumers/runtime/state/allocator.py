@@ -10,11 +10,13 @@ rose and fell; with the threshold fixed, 4.1 to 8.3 MiB in a 70-minute run besid
 Fixing the threshold at glibc's default (128 KiB) turns the dynamic adjustment off: every memtable
 block is mapped on its own and unmapped when its memtable is flushed.
 
-What glibc still keeps: freed chunks below live ones, in the main heap and in the arenas of threads
-that have ended (a closed producer's librdkafka threads). A quiet one-hour soak with the threshold
-fixed still saw glibc's free-but-kept bytes rise 2.2 -> 6.9 MiB and the RSS beyond RocksDB with them.
-:func:`release_free_pages` (``malloc_trim(0)``, run by the pod once a minute) gives every arena's
-free pages back to the system; the chunks stay in glibc's free lists, their pages no longer count.
+What glibc still keeps: freed chunks between live ones, which its own trim (the main heap's top
+only) never reaches. A quiet one-hour soak with the threshold fixed still saw glibc's free-but-kept
+bytes rise 2.2 -> 6.9 MiB and the RSS beyond RocksDB with them. :func:`release_free_pages`
+(``malloc_trim(0)``, run by the pod once a minute) walks every arena's free chunks and gives the
+whole pages inside them back to the system (``madvise``), and trims the main heap's top. The chunks
+stay in glibc's free lists, so its free-but-kept count does not fall; the RSS does. What it leaves:
+the free top of another thread's arena, and the small chunks held in each thread's cache.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ def unmap_large_blocks() -> bool:
 
 
 def release_free_pages() -> bool | None:
-    """``malloc_trim(0)``: the free pages of every glibc arena back to the system. True if any were
-    released, None where the C library is not glibc (nothing to do there)."""
+    """``malloc_trim(0)``: the free pages of every glibc arena back to the system. glibc's answer
+    (True when it gave any page back: nearly always, as it advises the same free pages each time), or
+    None where the C library is not glibc (nothing to do there)."""
     global _trim
     if _trim is None:
         try:
