@@ -1,8 +1,7 @@
-"""The pod's periodic work beside its loop: the state checkpoints, the probe of the cluster, and the
-allocator's free pages given back to the system.
+"""The pod's periodic work beside its loop: the state checkpoints, and the probe of the cluster.
 
-Each runs in a task of its own until the pod's stop event is set. A failed checkpoint or probe is an
-episode (one ERROR, reminders while it lasts, one line when it ends), never a reason to stop.
+Each runs in a task of its own until the pod's stop event is set; a failure of either is an episode
+(one ERROR, reminders while it lasts, one line when it ends), never a reason to stop.
 """
 
 from __future__ import annotations
@@ -16,9 +15,7 @@ from typing import Final
 from aiokafka import AIOKafkaConsumer
 
 from consumers.runtime.failure_policy import Action, Site, classify, decide
-from consumers.runtime.kafka.producer_thread import Worker
 from consumers.runtime.ownership import Ownership
-from consumers.runtime.state.allocator import release_free_pages
 from consumers.runtime.state.interface import CHECKPOINT_INTERVAL_S, StateStoreFault
 from consumers.runtime.state.store import StateStore
 from resilience.episode import Episode
@@ -28,12 +25,6 @@ logger = logging.getLogger("sandbox_lanes.pod")
 #: How often the cluster is probed, and how long a probe may wait for its answer.
 PROBE_EVERY_S: Final = 5.0
 PROBE_TIMEOUT_S: Final = 10.0
-#: How often glibc's free pages are given back. A trim walks every arena's free chunks under that
-#: arena's lock: 35 ms over 175 MiB of freed chunks (tests/unit/test_state_allocator.py prints it;
-#: the soak's pod keeps 2-9 MiB free). It runs in a daemon thread of its own, not the loop's
-#: executor, which driver calls may fill; the loop waits only if it allocates from the main arena
-#: meanwhile.
-TRIM_EVERY_S: Final = 60.0
 
 
 async def move_checkpoints(store: StateStore, ownership: Ownership, stop: asyncio.Event) -> None:
@@ -92,21 +83,3 @@ async def watch_cluster(consumer: Callable[[], AIOKafkaConsumer | None], stop: a
             episode.failed(exc)
             continue
         episode.recovered()
-
-
-async def give_back_free_pages(
-    stop: asyncio.Event, release: Callable[[], bool | None] = release_free_pages
-) -> None:
-    """Once a minute, glibc's free pages back to the system (:mod:`~consumers.runtime.state.allocator`):
-    the RSS follows what the process holds, not the most it ever held in each arena."""
-    while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), TRIM_EVERY_S)
-        if stop.is_set():
-            return
-        worker = Worker("sandbox-lanes-trim")
-        try:
-            if await worker.submit(release) is None:
-                return  # not glibc: its allocator needs no help
-        finally:
-            worker.stop()

@@ -44,7 +44,7 @@ from consumers.runtime.kafka.topology import prepare_pod_topics
 from consumers.runtime.loop_watch import LoopWatch
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.ownership import Ownership
-from consumers.runtime.periodic import give_back_free_pages, move_checkpoints, watch_cluster
+from consumers.runtime.periodic import move_checkpoints, watch_cluster
 from consumers.runtime.pod_config import Health, PodConfig, PodStats, assess_health
 from consumers.runtime.processor import LaneProcessor
 from consumers.runtime.shutdown import end_tasks, run_until_bound
@@ -276,7 +276,6 @@ class Pod:
         self._background.append(loop.create_task(self.stall_guard.watch(self._stop)))
         self._background.append(loop.create_task(move_checkpoints(self._store, self.ownership, self._stop)))
         self._background.append(loop.create_task(watch_cluster(lambda: self.consumer, self._stop)))
-        self._background.append(loop.create_task(give_back_free_pages(self._stop)))
         if self.config.topics.capacity_on:  # the capacity ledger: owned by one pod of the group
             ledger = CapacityLedgerTask(self.config, CapacityMetrics(self.metrics.registry), self._stop)
             self._background.append(loop.create_task(ledger.run()))

@@ -9,21 +9,12 @@ free-but-kept bytes went from 4.0 to 22.5 MiB (first and last quarter medians) w
 rose and fell; with the threshold fixed, 4.1 to 8.3 MiB in a 70-minute run beside it.
 Fixing the threshold at glibc's default (128 KiB) turns the dynamic adjustment off: every memtable
 block is mapped on its own and unmapped when its memtable is flushed.
-
-What glibc still keeps: freed chunks between live ones, which its own trim (the main heap's top
-only) never reaches. A quiet one-hour soak with the threshold fixed still saw glibc's free-but-kept
-bytes rise 2.2 -> 6.9 MiB and the RSS beyond RocksDB with them. :func:`release_free_pages`
-(``malloc_trim(0)``, run by the pod once a minute) walks every arena's free chunks and gives the
-whole pages inside them back to the system (``madvise``), and trims the main heap's top. The chunks
-stay in glibc's free lists, so its free-but-kept count does not fall; the RSS does. What it leaves:
-the free top of another thread's arena, and the small chunks held in each thread's cache.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
 from typing import Final
 
 logger = logging.getLogger("sandbox_lanes.state")
@@ -34,7 +25,6 @@ M_MMAP_THRESHOLD: Final = -3
 MMAP_THRESHOLD_BYTES: Final = 128 * 1024
 
 _done = False
-_trim: Callable[[int], int] | None = None
 
 
 def unmap_large_blocks() -> bool:
@@ -52,19 +42,3 @@ def unmap_large_blocks() -> bool:
     if not _done:
         logger.warning("glibc refused a fixed mmap threshold: freed memtables may stay in the process")
     return _done
-
-
-def release_free_pages() -> bool | None:
-    """``malloc_trim(0)``: the free pages of every glibc arena back to the system. glibc's answer
-    (True when it gave any page back: nearly always, as it advises the same free pages each time), or
-    None where the C library is not glibc (nothing to do there)."""
-    global _trim
-    if _trim is None:
-        try:
-            trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            return None
-        trim.argtypes = (ctypes.c_size_t,)
-        trim.restype = ctypes.c_int
-        _trim = trim
-    return bool(_trim(0))
