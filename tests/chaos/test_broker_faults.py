@@ -25,14 +25,12 @@ the test's directory when py-spy is installed (diagnosis only).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import pytest
 from harness.kafka_broker import KafkaCluster
 
@@ -120,25 +118,6 @@ async def _bounce_all(cluster: KafkaCluster, group: str, pods: Pods, bounced: li
         await asyncio.sleep(BETWEEN_S)
 
 
-async def _until_ready(pods: Pods, names: list[str], timeout_s: float) -> None:
-    """Both pods serve /healthz and each holds partitions (the first rebalance is not the fault here)."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
-        while True:
-            pods.check()
-            assigned = {}
-            for name in names:
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                    async with session.get(f"http://127.0.0.1:{pods.ports[name]}/readyz") as resp:
-                        body = await resp.json()
-                        assigned[name] = resp.status == 200 and body.get("assigned_partitions", 0) > 0
-            if all(assigned.get(n) for n in names):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pods not ready with partitions in {timeout_s:g}s: {assigned}")
-            await asyncio.sleep(0.3)
-
-
 @pytest.mark.timeout(600)
 async def test_broker_bounces_under_exactly_once_lose_nothing_and_stall_no_pod(
     kafka_cluster: KafkaCluster,
@@ -186,7 +165,7 @@ async def test_broker_bounces_under_exactly_once_lose_nothing_and_stall_no_pod(
     pods = Pods(env, tmp_path, {name: free_port() for name in names})
     for name in names:
         pods.start(name)
-    await _until_ready(pods, names, 90)  # a pod that exits meanwhile is recorded and started again
+    await pods.until_ready(names, 90)  # a pod that exits meanwhile is recorded and started again
 
     watch = OutcomeWatch(bootstrap, topics.outcomes)
     watch_task = asyncio.create_task(watch.run())

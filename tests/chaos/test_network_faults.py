@@ -34,7 +34,6 @@ and WARNING lines by message, the pods' longest loop stall, duplicates, losses, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import json
 import logging
@@ -47,7 +46,6 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import pytest
 from aiokafka import AIOKafkaClient
 
@@ -116,29 +114,6 @@ FAULTS = [
 ]
 if os.environ.get(LONG_OUTAGE_ENV) == "1":
     FAULTS.append(Fault("outage", 600.0, "the whole cluster unreachable for 10 minutes"))
-
-
-async def _until_ready(pods: Pods, names: list[str], timeout_s: float) -> None:
-    """Every named pod's /readyz is 200 with partitions assigned."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
-        while True:
-            pods.check()
-            assigned = {}
-            for name in names:
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                    async with session.get(f"http://127.0.0.1:{pods.ports[name]}/readyz") as resp:
-                        body = await resp.json()
-                        assigned[name] = resp.status == 200 and body.get("assigned_partitions", 0) > 0
-            if all(assigned.get(n) for n in names):
-                return
-            if time.monotonic() > deadline:
-                tails = {n: p.log()[-1500:] for n, p in pods.procs.items()}
-                raise TimeoutError(
-                    f"pods not ready with partitions in {timeout_s:g}s: {assigned}; "
-                    f"exits {pods.unplanned[:3]}; log tails {tails}"
-                )
-            await asyncio.sleep(0.3)
 
 
 async def _sigterm(pods: Pods, name: str, bound_s: float) -> tuple[int | None, float]:
@@ -256,7 +231,7 @@ async def test_a_network_fault_loses_nothing_duplicates_nothing_and_is_ridden_ou
     pods = Pods(env, tmp_path, {name: free_port() for name in names})
     for name in names:
         pods.start(name)
-    await _until_ready(pods, names, 90)
+    await pods.until_ready(names, 90)
 
     watch = OutcomeWatch(direct, topics.outcomes)
     watch_task = asyncio.create_task(watch.run())

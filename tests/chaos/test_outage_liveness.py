@@ -104,24 +104,6 @@ class Probe:
         return [s for s in self.samples if start <= s.at < end]
 
 
-async def _until_ready(pods: Pods, names: list[str], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
-        while True:
-            pods.check()
-            ready = 0
-            for name in names:
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                    async with session.get(f"http://127.0.0.1:{pods.ports[name]}/readyz") as resp:
-                        body = await resp.json()
-                        ready += resp.status == 200 and body.get("assigned_partitions", 0) > 0
-            if ready == len(names):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pods not ready in {timeout_s:g}s; exits {pods.unplanned[:2]}")
-            await asyncio.sleep(0.3)
-
-
 def _figures(samples: list[Sample]) -> str:
     answered = [s for s in samples if s.status]
     since = max((s.since_turned_s for s in answered), default=0.0)
@@ -167,7 +149,7 @@ async def test_a_pod_waiting_out_an_outage_and_its_recovery_stays_alive(
     pods = Pods(env, tmp_path, {name: free_port() for name in names})
     for name in names:
         pods.start(name)
-    await _until_ready(pods, names, 90)
+    await pods.until_ready(names, 90)
     started_s = time.monotonic() - began
     probes = {name: Probe(pods.ports[name]) for name in names}
     probing = [asyncio.create_task(p.run()) for p in probes.values()]

@@ -416,6 +416,29 @@ class Pods:
                     watch.stop()
                 self.start(name)
 
+    async def until_ready(self, names: list[str], timeout_s: float) -> None:
+        """Every named pod's /readyz answers 200 with partitions assigned (an exit on the way is
+        recorded and the pod started again, as :meth:`check` does)."""
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
+            while True:
+                self.check()
+                assigned = {}
+                for name in names:
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                        async with session.get(f"http://127.0.0.1:{self.ports[name]}/readyz") as resp:
+                            body = await resp.json()
+                            assigned[name] = resp.status == 200 and body.get("assigned_partitions", 0) > 0
+                if all(assigned.get(n) for n in names):
+                    return
+                if time.monotonic() > deadline:
+                    tails = {n: p.log()[-1500:] for n, p in self.procs.items()}
+                    raise TimeoutError(
+                        f"pods not ready with partitions in {timeout_s:g}s: {assigned}; "
+                        f"exits {self.unplanned[:3]}; log tails {tails}"
+                    )
+                await asyncio.sleep(0.3)
+
     def longest_stall(self, name: str) -> float:
         return max((w.longest_stall_s for w in self.health[name]), default=0.0)
 
