@@ -32,9 +32,8 @@ from consumers.lanes.admission import TICK_KEY, Caps, Ledger, decide
 from consumers.runtime.capacity_metrics import CapacityMetrics
 from consumers.runtime.failure_policy import Fault, classify
 from consumers.runtime.kafka.clients import RebalanceHooks, txn_producer_config
-from consumers.runtime.kafka.stable_offsets import StableOffsets
 from consumers.runtime.kafka.topic_reader import read_to_end
-from consumers.runtime.kafka.txn_producer import DEADLINE_GRACE_S, TxnProducer, group_metadata
+from consumers.runtime.kafka.txn_producer import TxnProducer, group_metadata
 from consumers.runtime.pod_config import PodConfig
 from events.codec import DecodeError, EncodedRecord, decode_capacity, encode
 from events.sandbox_lanes.v1 import capacity_pb2
@@ -121,9 +120,6 @@ class CapacityLedgerTask:
         self._next_offset: int | None = None
         self._last_tick = 0.0
         self._episode = Episode("the capacity ledger", logger, first_delay_s=0.2)
-        self._offsets = StableOffsets(
-            txn_producer_config(cfg), ledger_group(cfg.group_id), timeout_s=cfg.transaction_timeout_ms / 1000
-        )
 
     @property
     def owned(self) -> bool:
@@ -162,9 +158,7 @@ class CapacityLedgerTask:
             await producer.init()
             started = time.monotonic()
             ledger, records = await restore_ledger(self.cfg, self.caps)
-            # Stable (KIP-447): no offset read before its transaction's marker reached the group.
-            deadline_s = self.cfg.transaction_timeout_ms / 1000 + DEADLINE_GRACE_S
-            (committed,) = await asyncio.wait_for(self._offsets.read([self._tp]), deadline_s)
+            committed = await consumer.committed(self._tp)
         except BaseException:
             producer.close()
             raise

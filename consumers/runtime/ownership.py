@@ -213,14 +213,13 @@ class Ownership:
     async def _own(self, assigned: set[TopicPartition], partitions: set[int]) -> None:
         assert self.sinks is not None and self.consumer is not None
         # exactly_once: InitProducerId for <group>-p<N> aborts (or waits out) the previous owner's
-        # transaction; the committed offsets are then read with require_stable, so none is read
-        # before its transaction's marker has reached the group coordinator. Outside the turn
+        # transaction, so the committed offsets read next are the stable ones. Outside the turn
         # lock: the partitions are not owned yet, so no turn touches them, and the turns of the
         # other partitions go on meanwhile.
         self.fenced -= partitions
         await self.sinks.open(self.assigned_now(partitions))
         tps = sorted(assigned)
-        offsets = await self.bounded(self.sinks.committed(tps))  # stable: none pending in a transaction
+        offsets = await asyncio.gather(*(self.bounded(self.consumer.committed(tp)) for tp in tps))
         async with self.batch_lock:
             # Nothing awaits in here: a turn sees the partitions either not owned (their records
             # dropped, fetched again from the seek) or owned with their seek done and epoch new.

@@ -56,7 +56,7 @@ async def move_checkpoints(store: StateStore, ownership: Ownership, stop: asynci
         episode.recovered()
 
 
-async def watch_cluster(consumer: Callable[[], AIOKafkaConsumer | None], stop: asyncio.Event) -> None:
+async def watch_cluster(current_consumer: Callable[[], AIOKafkaConsumer | None], stop: asyncio.Event) -> None:
     """Whether the cluster can be reached at all, as an episode of its own.
 
     Through a whole outage aiokafka's fetch just returns nothing (its retries are its own), so
@@ -69,7 +69,7 @@ async def watch_cluster(consumer: Callable[[], AIOKafkaConsumer | None], stop: a
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), PROBE_EVERY_S)
-        client = consumer()
+        client = current_consumer()
         if stop.is_set() or client is None:
             return
         try:

@@ -423,7 +423,7 @@ class Pods:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
             while True:
                 self.check()
-                assigned = {}
+                assigned: dict[str, bool] = {}
                 for name in names:
                     with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                         async with session.get(f"http://127.0.0.1:{self.ports[name]}/readyz") as resp:

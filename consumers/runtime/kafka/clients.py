@@ -49,13 +49,13 @@ def txn_producer_config(cfg: PodConfig) -> dict[str, Any]:
         "retry.backoff.ms": 20,
         # An abandoned producer stuck in send_offsets_to_transaction (librdkafka 5456, 5511: its
         # request waits for a broker state change once its group coordinator went away) lingers,
-        # with its threads and buffers, until one of its brokers changes state: in the soak, the
-        # next bounce, minutes later. Its connections idle out after this and are closed, which
-        # is such a change. Measured in a quiet 45-minute soak (docs/performance.md, The soak):
-        # each abandoned producer lingered 38-98 s, against 230-247 s (until the next bounce)
-        # before. The cost, on a partition with no input for a minute: its producer's
-        # connections close too, it reconnects to its transaction coordinator at once (about once
-        # a minute while quiet) and its next transaction first reconnects to the leader.
+        # with its threads and buffers, until one of its brokers changes state: in the soak, a
+        # later bounce, 4 to 10 minutes on. Its connections idle out after this and are closed,
+        # which is such a change. Measured in a quiet 45-minute soak (docs/performance.md, The
+        # soak): each abandoned producer lingered 38-98 s, against 230-489 s and more before.
+        # The cost, on a partition with no input for a minute: its producer's connections close
+        # too, it reconnects to its transaction coordinator at once (about once a minute while
+        # quiet) and its next transaction first reconnects to the leader.
         "connections.max.idle.ms": IDLE_CONNECTION_MS,
         **cfg.security.librdkafka_options(),
     }

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from consumers.runtime.kafka.stable_offsets import StableOffsets
 from consumers.runtime.kafka.txn_producer import (
     DEADLINE_GRACE_S,
     MAX_LINGERING,
@@ -204,9 +203,6 @@ class PartitionSinks:
     ``exactly_once``: a transactional librdkafka producer per partition, opened when the
     partition is assigned (its ``init_transactions`` is the fence) and closed when it is revoked.
     ``at_least_once``: one shared aiokafka producer.
-
-    It also reads the offsets a take-over seeks to (:meth:`committed`): stably under
-    ``exactly_once``, where they are committed in transactions (:mod:`stable_offsets`).
     """
 
     def __init__(
@@ -230,7 +226,6 @@ class PartitionSinks:
         self._sinks: dict[int, BatchSink] = {}
         self._shared: AIOKafkaProducer | None = None
         self._metadata: object = None
-        self._stable: StableOffsets | None = None
 
     async def start(self) -> None:
         if self._guarantee == "at_least_once":
@@ -238,15 +233,6 @@ class PartitionSinks:
             await self._shared.start()
             return
         self._metadata = group_metadata(self._group_id)
-        self._stable = StableOffsets(self._txn_config, self._group_id, timeout_s=self._timeout_s)
-
-    async def committed(self, tps: Sequence[TopicPartition]) -> list[int | None]:
-        """The group's committed offset of each of ``tps`` (None: none). Under ``exactly_once`` none
-        is answered while a transaction's offsets for the group are still pending; under
-        ``at_least_once`` offsets are committed outside transactions and aiokafka's read is stable."""
-        if self._stable is not None:
-            return await self._stable.read(tps)
-        return list(await asyncio.gather(*(self._consumer.committed(tp) for tp in tps)))
 
     def get(self, partition: int) -> BatchSink | None:
         return self._sinks.get(partition)
