@@ -21,7 +21,6 @@ the plan (its ensure ran before the turn, or waits for it) keeps it, whatever th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -41,6 +40,7 @@ from consumers.runtime.executor import error_message
 from consumers.runtime.kafka.security import PLAINTEXT, KafkaSecurity
 from consumers.runtime.kafka.topology import Topics
 from consumers.runtime.metrics import PodMetrics
+from consumers.runtime.shutdown import stopped_within
 from consumers.runtime.state.store import MemoryStore
 from drivers.contract import SandboxProvisioner
 from events.codec import encode
@@ -293,9 +293,7 @@ async def periodic(reaper: Reaper, interval_s: float, stop: asyncio.Event, ready
     """One pass every ``interval_s`` once the pod is ready, until ``stop``; a failed pass is logged."""
     await _first(stop, ready)
     while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), interval_s)
-        if stop.is_set():
+        if await stopped_within(stop, interval_s):
             return
         try:
             report = await reaper.run_once(apply=True, stop=stop)

@@ -35,6 +35,7 @@ from consumers.runtime.kafka.clients import RebalanceHooks, txn_producer_config
 from consumers.runtime.kafka.topic_reader import read_to_end
 from consumers.runtime.kafka.txn_producer import TxnProducer, group_metadata
 from consumers.runtime.pod_config import PodConfig
+from consumers.runtime.shutdown import stopped_within
 from events.codec import DecodeError, EncodedRecord, decode_capacity, encode
 from events.sandbox_lanes.v1 import capacity_pb2
 from resilience.episode import Episode
@@ -245,8 +246,7 @@ class CapacityLedgerTask:
         await self._pause(delay)
 
     async def _pause(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), seconds)
+        await stopped_within(self._stop, seconds)
 
     async def _turn(self) -> None:
         consumer = self._consumer

@@ -33,6 +33,7 @@ from consumers.runtime.loop_watch import bounded_wait, outside_the_loop
 from consumers.runtime.metrics import PodMetrics
 from consumers.runtime.pod_config import PodConfig, PodStats
 from consumers.runtime.positions import Positions
+from consumers.runtime.shutdown import stopped_within
 from consumers.runtime.stall_guard import StallGuard
 from consumers.runtime.state.interface import StateStoreFault
 from consumers.runtime.state.recovery import restore_and_resume
@@ -181,8 +182,7 @@ class Ownership:
         partitions' new owner, and it goes on only with what is still assigned to it.
         """
         if delay_s > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), delay_s)
+            await stopped_within(self._stop, delay_s)
         if self._stop.is_set():
             return
         if again:
@@ -256,13 +256,11 @@ class Ownership:
                             delay = 0.0
                     self._settle(pending)
                     if delay > 0:
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._stop.wait(), delay)
+                        await stopped_within(self._stop, delay)
                     continue
                 self._settle(pending)
                 if pending:  # read for an epoch since replaced (revoked and given back): again
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._stop.wait(), again.failed())
+                    await stopped_within(self._stop, again.failed())
                     continue
                 self._restore_episode.recovered()
         finally:

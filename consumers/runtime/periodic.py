@@ -7,7 +7,6 @@ Each runs in a task of its own until the pod's stop event is set; a failure of e
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import Final
@@ -16,6 +15,7 @@ from aiokafka import AIOKafkaConsumer
 
 from consumers.runtime.failure_policy import Action, Site, classify, decide
 from consumers.runtime.ownership import Ownership
+from consumers.runtime.shutdown import stopped_within
 from consumers.runtime.state.interface import CHECKPOINT_INTERVAL_S, StateStoreFault
 from consumers.runtime.state.store import StateStore
 from resilience.episode import Episode
@@ -36,9 +36,7 @@ async def move_checkpoints(store: StateStore, ownership: Ownership, stop: asynci
     )
     delay = CHECKPOINT_INTERVAL_S
     while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
-        if stop.is_set():
+        if await stopped_within(stop, delay):
             return
         try:
             await store.checkpoint({p for p in ownership.owned if ownership.fetchable(p)} & store.owned())
@@ -67,8 +65,7 @@ async def watch_cluster(current_consumer: Callable[[], AIOKafkaConsumer | None],
         "reaching the Kafka cluster", logger, first_delay_s=PROBE_EVERY_S, max_delay_s=PROBE_EVERY_S
     )
     while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), PROBE_EVERY_S)
+        await stopped_within(stop, PROBE_EVERY_S)
         client = current_consumer()
         if stop.is_set() or client is None:
             return

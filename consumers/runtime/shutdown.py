@@ -48,3 +48,11 @@ async def end_tasks(tasks: Iterable[asyncio.Task[None]], seconds_left: float, ca
             task.cancel()
         if late:
             await asyncio.wait(late, timeout=cancel_wait_s)
+
+
+async def stopped_within(stop: asyncio.Event, seconds: float) -> bool:
+    """Wait ``seconds``, or less if ``stop`` is set meanwhile; whether it is set. Every loop of the
+    pod waits between its attempts or ticks this way, so none outlives a stop."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), seconds)
+    return stop.is_set()

@@ -18,10 +18,11 @@ call is about to run, so it holds even when the call's task wakes before the wat
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
+
+from consumers.runtime.shutdown import stopped_within
 
 logger = logging.getLogger("sandbox_lanes.pod")
 
@@ -74,8 +75,7 @@ class StallGuard:
         try:
             while not stop.is_set():
                 self.observe()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), TICK_S)
+                await stopped_within(stop, TICK_S)
         finally:
             self._watching = False
 

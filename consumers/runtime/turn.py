@@ -33,6 +33,7 @@ from consumers.runtime.ownership import Ownership
 from consumers.runtime.partition_txn import PartitionTransaction
 from consumers.runtime.pod_config import PodConfig, PodStats
 from consumers.runtime.processor import LaneProcessor
+from consumers.runtime.shutdown import stopped_within
 from consumers.runtime.state.interface import StateStoreFault
 from resilience.episode import Episode
 
@@ -82,8 +83,7 @@ class Turns:
     # --- the loop ------------------------------------------------------------------------------
 
     async def _pause_for(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), seconds)
+        await stopped_within(self._stop, seconds)
 
     async def loop(self) -> None:
         """Fetch and turn until a stop is requested; then drain."""
