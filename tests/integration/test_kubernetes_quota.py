@@ -4,7 +4,8 @@ sandbox namespace, no cap set in the pod, more creates than the quota holds.
 The pod (in-process, real Kafka, the kubernetes driver on the harness's single-node cluster) gets
 every create at once. The engine refuses the ones over the quota; the pod waits them out and they run
 as earlier executions complete. The test, not the pod, samples the API server every 100 ms: live
-pods (and Deployments, and the quota's own ``used``) never above the quota, every execution's runner
+pods (and Deployments, and the quota's own ``used``) never above the quota (but for the engine's own
+recount race, one over: kubernetes/kubernetes#123434), every execution's runner
 pod seen Running, and each execution provisioned once and torn down once, none failed.
 
 Two ways the engine refuses: a quota on ``pods`` lets the Deployment in and refuses its ReplicaSet's
@@ -186,11 +187,12 @@ async def test_quota_refusals_are_waited_out_and_every_execution_runs(
     assert provisioned == Counter(dict.fromkeys(ids, 1)), provisioned  # each provisioned once
     assert deprovisioned == Counter(dict.fromkeys(ids, 1)), deprovisioned  # ... and torn down once
     assert samples.running >= set(ids), sorted(set(ids) - samples.running)  # every runner pod ran
-    # What the engine held, never above the quota ...
-    if resource == "pods":
-        assert samples.max_live_pods <= limit
-    else:
-        assert samples.max_deployments <= limit
+    # What the engine held, never above the quota by more than the engine's own race: the quota
+    # controller's recount after a teardown reads objects from its informer cache, which can lag a
+    # create admitted a moment before, and publishes a `used` one short; admission then lets one more
+    # in (kubernetes/kubernetes#123434, open). Seen once in CI: 11 pods live of 10, quota used 11.
+    held = samples.max_live_pods if resource == "pods" else samples.max_deployments
+    assert held <= limit + 1, (held, limit)
     # ... and the quota was what held the creates back: it was reached, and creates were refused and
     # waited out (not all of the ones over it need be: one decided after a teardown may find room).
     # The quota's published `status.used` is the quota controller's recount, which can run one over
