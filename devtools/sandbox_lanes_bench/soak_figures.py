@@ -57,6 +57,16 @@ def slope(points: Sequence[tuple[float, float]]) -> dict[str, float]:
     return {"per_hour": b, "ci95_per_hour": 1.96 * se, "residual_sd": sd, "n": n}
 
 
+def later_half(points: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """The slope over the later half of the steady period: what tells a growth that levels off (a
+    cache filling, an allocator's free lists reaching their working size) from one that goes on with
+    the time run, which a slope over the whole period cannot."""
+    if not points:
+        return slope(points)
+    middle = (points[0][0] + points[-1][0]) / 2.0
+    return slope([p for p in points if p[0] >= middle])
+
+
 def summarise(fig: dict[str, Any]) -> dict[str, Any]:
     """The soak's figures from its samples: each resource's trend after the warm-up, latency per window."""
     columns = fig["pod_samples"]["columns"]
@@ -86,6 +96,9 @@ def summarise(fig: dict[str, Any]) -> dict[str, Any]:
             )
             span_h = (points[-1][0] - points[0][0]) / 3600.0
             trend["change_over_steady"] = trend["per_hour"] * span_h
+            later = later_half(points)
+            trend["later_half_per_hour"] = later["per_hour"]
+            trend["later_half_ci95_per_hour"] = later["ci95_per_hour"]
         trends[name] = trend
     fig["steady_from_s"] = start
     fig["trends"] = trends
@@ -191,8 +204,8 @@ def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             continue
         rows.append(
             (
-                f"soak: {name} slope after warm-up, {_UNITS[name]}/h (±95 %)",
-                f"{t['per_hour']:+.3g} ± {t['ci95_per_hour']:.2g}",
+                f"soak: {name} slope after warm-up; over its later half, {_UNITS[name]}/h (±95 %)",
+                f"{t['per_hour']:+.3g} ± {t['ci95_per_hour']:.2g}; {_later(t)}",
                 f"{t['min']:g}-{t['max']:g} (median {t['median']:g})",
                 "flat",
             )
@@ -206,6 +219,12 @@ def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         )
     )
     return rows
+
+
+def _later(trend: dict[str, Any]) -> str:
+    if "later_half_per_hour" not in trend:  # figures summarised before the later half was
+        return "-"
+    return f"{trend['later_half_per_hour']:+.3g} ± {trend['later_half_ci95_per_hour']:.2g}"
 
 
 def extra_lines(fig: dict[str, Any]) -> list[str]:
