@@ -230,7 +230,14 @@ def test_every_chart_from_a_document_with_every_figure(tmp_path: Path) -> None:
     assert "at_least_once" in texts["latency"] and "p95" in texts["latency"]
     assert "Quix Streams" in texts["peers"] and "one event at a time" in texts["peers"]
     assert "kept for ever" in texts["retention"] and "retention 2 s" in texts["retention"]
-    for label in ("RSS, MiB", "asyncio tasks", "states held", "consumer lag, records", "1 broker bounces"):
+    for label in (
+        "RSS, MiB",
+        "rss_beyond_rocksdb_mib",
+        "asyncio tasks",
+        "states held",
+        "consumer lag, records",
+        "1 broker bounces",
+    ):
         assert label in texts["soak"], label
     for label in ("10M", "restart to ready", "goal: 50 ms", "p99"):
         assert label in texts["scale"], label
