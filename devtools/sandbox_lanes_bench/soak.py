@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import gc
 import heapq
 import json
@@ -50,6 +49,7 @@ from typing import Any
 
 from consumers.ops.progress import progress
 from sandbox_lanes_bench.common import child_process, read_status
+from sandbox_lanes_bench.glibc_heap import arena_split, malloc_totals
 from sandbox_lanes_bench.soak_figures import draw, extra_lines, report_rows, summarise, warmup_s
 
 MIB = 1024 * 1024
@@ -72,6 +72,10 @@ POD_COLUMNS = (
     "py_blocks",
     "malloc_used_mib",
     "malloc_free_mib",
+    "main_arena_used_mib",
+    "main_arena_free_mib",
+    "thread_arenas_used_mib",
+    "thread_arenas_free_mib",
 )
 #: Every this many seconds the pod's child also counts the objects the collector tracks, by type (the
 #: census: what grows between the first after the warm-up and the last is the leak, if any).
@@ -129,36 +133,6 @@ def argv_of(args: argparse.Namespace) -> list[str]:
 
 
 # --- the pod's child process --------------------------------------------------------------------
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def _malloc() -> tuple[float, float]:
-    """glibc's heap in MiB: (in use, including mmapped chunks; free but kept in its arenas). The RSS
-    beyond both and beyond Python's own arenas is fragmentation the allocator cannot give back."""
-    try:
-        call = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):  # not glibc 2.33+: the columns stay empty
-        return (0.0, 0.0)
-    call.restype = _MallInfo2
-    info = call()
-    return (round((info.uordblks + info.hblkhd) / MIB, 2), round(info.fordblks / MIB, 2))
 
 
 def _census() -> tuple[dict[str, int], list[list[Any]]]:
@@ -263,7 +237,8 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
                     lingering(),
                     round((pod.states.memory_bytes() or 0) / MIB, 2),
                     sys.getallocatedblocks(),
-                    *_malloc(),
+                    *malloc_totals(),
+                    *arena_split().mib(),
                 ]
                 out.write(json.dumps(row) + "\n")
                 out.flush()

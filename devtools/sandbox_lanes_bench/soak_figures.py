@@ -21,8 +21,17 @@ FLAT = ("rss_mib", "threads", "fds", "tasks", "states")
 #: configured bound: a rise of the RSS that is only that is not a leak), when the samples have it.
 BEYOND_ROCKSDB = "rss_beyond_rocksdb_mib"
 #: What the process's heap is made of, trended beside the RSS when the samples have it: Python's blocks
-#: in use, glibc's heap in use and free in its arenas (the RSS rising with these flat is neither).
-HEAP = ("py_blocks", "malloc_used_mib", "malloc_free_mib")
+#: in use, glibc's heap in use and free in its arenas (the RSS rising with these flat is neither), and
+#: the same for the main thread's arena apart from the other threads' (whose allocations hold it).
+HEAP = (
+    "py_blocks",
+    "malloc_used_mib",
+    "malloc_free_mib",
+    "main_arena_used_mib",
+    "main_arena_free_mib",
+    "thread_arenas_used_mib",
+    "thread_arenas_free_mib",
+)
 #: The census's types that grew the most after the warm-up, kept in the figures.
 CENSUS_GROWTH = 12
 #: Latency windows of the run: its post-warm-up time cut into this many.
@@ -185,6 +194,10 @@ _UNITS = {
     "py_blocks": "blocks",
     "malloc_used_mib": "MiB",
     "malloc_free_mib": "MiB",
+    "main_arena_used_mib": "MiB",
+    "main_arena_free_mib": "MiB",
+    "thread_arenas_used_mib": "MiB",
+    "thread_arenas_free_mib": "MiB",
 }
 
 

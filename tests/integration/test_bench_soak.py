@@ -64,6 +64,8 @@ def test_a_short_soak_samples_every_second_and_loses_nothing(tmp_path: Path) -> 
     # the heap beside it: Python's blocks in use, glibc's heap in use; the census of tracked objects by
     # type, first taken 30 s in
     assert min(col["py_blocks"]) > 1000 and min(col["malloc_used_mib"]) > 0
+    # ... the main thread's arena apart from the others' (librdkafka's and RocksDB's threads have theirs)
+    assert min(col["main_arena_used_mib"]) > 0 and max(col["thread_arenas_used_mib"]) > 0
     assert fig["censuses"] and all(c[1]["total"] > 1000 and c[2][0][1] > 100 for c in fig["censuses"])
     # retention (20 s) removed states during the run: more were made than were ever held at once
     assert 0 < max(col["states"]) < fig["executions"], max(col["states"])

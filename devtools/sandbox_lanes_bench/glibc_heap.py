@@ -1,0 +1,120 @@
+"""glibc's view of the process's heap, for the soak's samples: totals (``mallinfo2``) and the main
+thread's arena apart from the other threads' (``malloc_info``).
+
+The split says whose allocations a rising heap holds: the main arena serves the thread that runs the
+event loop (Python objects over 512 bytes, protobuf's and the codecs' buffers), the thread arenas
+librdkafka's, RocksDB's and the executor's threads. Where the C library is not glibc (2.33+ for
+``mallinfo2``) every figure is 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+
+MIB = 1024 * 1024
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+def malloc_totals() -> tuple[float, float]:
+    """glibc's heap in MiB: (in use, including mmapped chunks; free but kept in its arenas). The RSS
+    beyond both and beyond Python's own arenas is fragmentation the allocator cannot give back."""
+    libc = _libc()
+    call = getattr(libc, "mallinfo2", None)
+    if call is None:  # not glibc 2.33+: the columns stay empty
+        return (0.0, 0.0)
+    call.restype = _MallInfo2
+    info = call()
+    return (round((info.uordblks + info.hblkhd) / MIB, 2), round(info.fordblks / MIB, 2))
+
+
+@dataclass(frozen=True)
+class ArenaSplit:
+    """Bytes from the system and bytes free in them, the main arena apart from the threads' arenas
+    (mmapped chunks, which belong to no arena, are in neither)."""
+
+    main_system: int = 0
+    main_free: int = 0
+    threads_system: int = 0
+    threads_free: int = 0
+    thread_arenas: int = 0
+
+    def mib(self) -> tuple[float, float, float, float]:
+        """(main arena in use, main arena free, thread arenas in use, thread arenas free) in MiB."""
+        return (
+            round((self.main_system - self.main_free) / MIB, 2),
+            round(self.main_free / MIB, 2),
+            round((self.threads_system - self.threads_free) / MIB, 2),
+            round(self.threads_free / MIB, 2),
+        )
+
+
+def parse_malloc_info(xml: str) -> ArenaSplit:
+    """``malloc_info``'s XML: one ``<heap nr=N>`` per arena (0 is the main one), each with its free
+    chunks' totals (``<total type="fast">``, ``<total type="rest">``) and the bytes it holds from the
+    system (``<system type="current">``)."""
+    main_system = main_free = threads_system = threads_free = arenas = 0
+    for heap in ET.fromstring(xml).iter("heap"):
+        totals = heap.findall("total")
+        free = sum(int(t.get("size", "0")) for t in totals if t.get("type") in ("fast", "rest"))
+        system = sum(int(s.get("size", "0")) for s in heap.findall("system") if s.get("type") == "current")
+        if heap.get("nr") == "0":
+            main_system, main_free = system, free
+        else:
+            threads_system += system
+            threads_free += free
+            arenas += 1
+    return ArenaSplit(main_system, main_free, threads_system, threads_free, arenas)
+
+
+def arena_split() -> ArenaSplit:
+    """This process's arenas now, through ``malloc_info`` into a temporary file (it writes to a
+    ``FILE *``); an empty split where the C library has no ``malloc_info``."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_info"):
+        return ArenaSplit()
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = (ctypes.c_char_p, ctypes.c_char_p)
+    libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.fclose.argtypes = (ctypes.c_void_p,)
+    fd, path = tempfile.mkstemp(prefix="malloc-info-")
+    os.close(fd)
+    try:
+        stream = libc.fopen(path.encode(), b"w")
+        if not stream:
+            return ArenaSplit()
+        try:
+            libc.malloc_info(0, stream)
+        finally:
+            libc.fclose(stream)
+        with open(path, encoding="utf-8") as f:
+            return parse_malloc_info(f.read())
+    finally:
+        os.unlink(path)
