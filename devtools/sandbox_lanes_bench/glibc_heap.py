@@ -3,15 +3,15 @@ thread's arena apart from the other threads' (``malloc_info``).
 
 The split says whose allocations a rising heap holds: the main arena serves the thread that runs the
 event loop (Python objects over 512 bytes, protobuf's and the codecs' buffers), the thread arenas
-librdkafka's, RocksDB's and the executor's threads. Where the C library is not glibc (2.33+ for
-``mallinfo2``) every figure is 0.
+librdkafka's, RocksDB's and the executor's threads. Roughly: once glibc's arena limit is reached (8 per
+core), a new thread is handed an existing arena, the main one among them. Where the C library is not
+glibc (2.33+ for ``mallinfo2``) every figure is 0.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import tempfile
+import functools
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
@@ -36,21 +36,30 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """The C library, its calls' types set once (the sampler runs every second in the measured process)."""
     try:
-        return ctypes.CDLL("libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+    if hasattr(libc, "malloc_info") and hasattr(libc, "open_memstream"):
+        libc.open_memstream.restype = ctypes.c_void_p
+        libc.open_memstream.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t))
+        libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+        libc.fclose.argtypes = (ctypes.c_void_p,)
+        libc.free.argtypes = (ctypes.c_void_p,)
+    return libc
 
 
 def malloc_totals() -> tuple[float, float]:
     """glibc's heap in MiB: (in use, including mmapped chunks; free but kept in its arenas). The RSS
     beyond both and beyond Python's own arenas is fragmentation the allocator cannot give back."""
-    libc = _libc()
-    call = getattr(libc, "mallinfo2", None)
+    call = getattr(_libc(), "mallinfo2", None)
     if call is None:  # not glibc 2.33+: the columns stay empty
         return (0.0, 0.0)
-    call.restype = _MallInfo2
     info = call()
     return (round((info.uordblks + info.hblkhd) / MIB, 2), round(info.fordblks / MIB, 2))
 
@@ -95,26 +104,21 @@ def parse_malloc_info(xml: str) -> ArenaSplit:
 
 
 def arena_split() -> ArenaSplit:
-    """This process's arenas now, through ``malloc_info`` into a temporary file (it writes to a
+    """This process's arenas now, through ``malloc_info`` into a memory stream (it writes to a
     ``FILE *``); an empty split where the C library has no ``malloc_info``."""
     libc = _libc()
-    if libc is None or not hasattr(libc, "malloc_info"):
+    if libc is None or not hasattr(libc, "malloc_info") or not hasattr(libc, "open_memstream"):
         return ArenaSplit()
-    libc.fopen.restype = ctypes.c_void_p
-    libc.fopen.argtypes = (ctypes.c_char_p, ctypes.c_char_p)
-    libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
-    libc.fclose.argtypes = (ctypes.c_void_p,)
-    fd, path = tempfile.mkstemp(prefix="malloc-info-")
-    os.close(fd)
+    buffer, size = ctypes.c_void_p(), ctypes.c_size_t()
+    stream = libc.open_memstream(ctypes.byref(buffer), ctypes.byref(size))
+    if not stream:
+        return ArenaSplit()
     try:
-        stream = libc.fopen(path.encode(), b"w")
-        if not stream:
-            return ArenaSplit()
-        try:
-            libc.malloc_info(0, stream)
-        finally:
-            libc.fclose(stream)
-        with open(path, encoding="utf-8") as f:
-            return parse_malloc_info(f.read())
+        libc.malloc_info(0, stream)
     finally:
-        os.unlink(path)
+        libc.fclose(stream)  # sets buffer and size
+    try:
+        xml = ctypes.string_at(buffer.value, size.value).decode() if buffer.value else ""
+    finally:
+        libc.free(buffer)
+    return parse_malloc_info(xml) if xml else ArenaSplit()

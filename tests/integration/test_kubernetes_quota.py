@@ -188,16 +188,19 @@ async def test_quota_refusals_are_waited_out_and_every_execution_runs(
     assert deprovisioned == Counter(dict.fromkeys(ids, 1)), deprovisioned  # ... and torn down once
     assert samples.running >= set(ids), sorted(set(ids) - samples.running)  # every runner pod ran
     # What the engine held, never above the quota by more than the engine's own race: the quota
-    # controller's recount after a teardown reads objects from its informer cache, which can lag a
-    # create admitted a moment before, and publishes a `used` one short; admission then lets one more
-    # in (kubernetes/kubernetes#123434, open). Seen once in CI: 11 pods live of 10, quota used 11.
+    # controller's recount, started by the deletion of an object the quota counts (a teardown here),
+    # reads the objects from its informer cache, which can miss one admitted a moment before; it then
+    # writes a `used` one short over admission's fresher one, and admission lets one more in
+    # (kubernetes/kubernetes#123434, open: "the controller may has not seen the new created pod from
+    # informer, then the controller will rollback the resourcequota used"). The recount is the same
+    # for every counted kind, Deployments as pods. Seen once in CI: 11 pods live of 10, quota used 11.
     held = samples.max_live_pods if resource == "pods" else samples.max_deployments
     assert held <= limit + 1, (held, limit)
     # ... and the quota was what held the creates back: it was reached, and creates were refused and
     # waited out (not all of the ones over it need be: one decided after a teardown may find room).
-    # The quota's published `status.used` is the quota controller's recount, which can run one over
-    # while a deleted pod is still being counted (11 of 10 once in CI, with at most 10 pods live in
-    # the same samples): a figure, not the verdict.
+    # The quota's published `status.used` is that recount's, so it can be off by one either way (one
+    # short as above; one over while a deleted pod is still counted: 11 of 10 once in CI, with at
+    # most 10 pods live in the same samples): a figure, not the verdict.
     assert samples.max_used >= limit and waits >= 1 and timeouts == 0
     await wait_for("every runner pod to go", lambda: not core.list_namespaced_pod(ns).items, timeout=90)
     assert apps.list_namespaced_deployment(ns).items == []
