@@ -179,8 +179,10 @@ def _soak() -> dict[str, Any]:
     """A soak of 3 minutes sampled every second, one bounce, through the figure's own summary."""
     from sandbox_lanes_bench.soak import BENCH_COLUMNS, POD_COLUMNS, summarise
 
+    # py_blocks; glibc in use and free; the main arena, then the thread arenas, in use and free
+    heap = (200_000, 25.0, 3.0, 12.0, 1.0, 4.0, 2.0)
     pod_rows = [
-        [float(t), 60.0 + t % 3, 27, 70, 24, 50, 0.5, t, t, 0, 0, 0, 0, 20.0 + t % 3, 200_000, 25.0, 3.0]
+        [float(t), 60.0 + t % 3, 27, 70, 24, 50, 0.5, t, t, 0, 0, 0, 0, 20.0 + t % 3, *heap]
         for t in range(1, 181)
     ]
     bench_rows = [[float(t), t, t, t, None if 100 <= t < 110 else 3] for t in range(1, 181)]
