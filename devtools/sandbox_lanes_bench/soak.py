@@ -53,7 +53,7 @@ from typing import Any
 from consumers.ops.progress import progress
 from sandbox_lanes_bench.common import child_process, read_status
 from sandbox_lanes_bench.glibc_heap import arena_split, malloc_totals
-from sandbox_lanes_bench.soak_figures import draw, extra_lines, report_rows, summarise, warmup_s
+from sandbox_lanes_bench.soak_figures import HEAP, draw, extra_lines, report_rows, summarise, warmup_s
 
 MIB = 1024 * 1024
 PARTITIONS = 3
@@ -72,13 +72,7 @@ POD_COLUMNS = (
     "commit_failures",
     "lingering",
     "rocksdb_mib",
-    "py_blocks",
-    "malloc_used_mib",
-    "malloc_free_mib",
-    "main_arena_used_mib",
-    "main_arena_free_mib",
-    "thread_arenas_used_mib",
-    "thread_arenas_free_mib",
+    *HEAP,  # py_blocks, then glibc's totals and its arenas' split, as _pod_run samples them
 )
 #: Every this many seconds the pod's child also counts the objects the collector tracks, by type (the
 #: census: what grows between the first after the warm-up and the last is the leak, if any).
