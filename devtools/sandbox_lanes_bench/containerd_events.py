@@ -38,6 +38,10 @@ class ContainerdEvents:
         self._thread: threading.Thread | None = None
         #: (topic, container id) -> the wall time containerd stamped on it (the first one)
         self.seen: dict[tuple[str, str], float] = {}
+        #: container id -> its labels, read when its first event arrives: by the time the marks are
+        #: asked for, the sandboxes are torn down and containerd may have removed their containers
+        #: (the runner's before the pod sandbox's), so a lookup then finds nothing
+        self.labels: dict[str, dict[str, str]] = {}
 
     def __enter__(self) -> ContainerdEvents:
         self._proc = subprocess.Popen(
@@ -78,13 +82,15 @@ class ContainerdEvents:
             container = str(body.get("container_id") or body.get("id") or "")
             if container:
                 self.seen.setdefault((topic, container), at)
+                if not self.labels.get(container):
+                    self.labels[container] = self._labels(container)
 
     def marks(self, pods: Mapping[str, str], offset: float) -> dict[str, dict[str, float]]:
         """By sandbox id (``pods``: pod name -> sandbox id): ``sandbox_started`` (the pod sandbox's
         task), ``container_created`` and ``container_started`` (the runner's), monotonic."""
         marks: dict[str, dict[str, float]] = {}
         for (topic, container), at in self.seen.items():
-            labels = self._labels(container)
+            labels = self.labels.get(container) or self._labels(container)
             sandbox_id = pods.get(labels.get("io.kubernetes.pod.name", ""))
             if sandbox_id is None:
                 continue

@@ -46,14 +46,14 @@ import time
 import tracemalloc
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from consumers.ops.progress import progress
 from sandbox_lanes_bench.common import child_process, read_status
 from sandbox_lanes_bench.glibc_heap import arena_split, malloc_totals
-from sandbox_lanes_bench.soak_figures import HEAP, draw, extra_lines, report_rows, summarise, warmup_s
+from sandbox_lanes_bench.soak_figures import HEAP, KINDS, draw, extra_lines, report_rows, summarise, warmup_s
 
 MIB = 1024 * 1024
 PARTITIONS = 3
@@ -73,6 +73,7 @@ POD_COLUMNS = (
     "lingering",
     "rocksdb_mib",
     *HEAP,  # py_blocks, then glibc's totals and its arenas' split, as _pod_run samples them
+    *KINDS,  # the threads by who made them, the descriptors by kind (_threads_by_maker, _fds_by_kind)
 )
 #: Every this many seconds the pod's child also counts the objects the collector tracks, by type (the
 #: census: what grows between the first after the warm-up and the last is the leak, if any).
@@ -112,6 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "census also lists the allocation sites that grew most since the first after the warm-up",
     )
     group.add_argument(
+        "--soak-preload",
+        default="",
+        metavar="LIB",
+        help="a shared library preloaded into the pod's process (LD_PRELOAD), such as another allocator: "
+        "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2 (glibc's heap columns then read only what is left "
+        "to glibc)",
+    )
+    group.add_argument(
         "--soak-dir",
         default=None,
         help="where the sample rows are written as they come (default: a temp dir)",
@@ -126,6 +135,7 @@ def argv_of(args: argparse.Namespace) -> list[str]:
         f"--soak-bounce-every-s {args.soak_bounce_every_s:g} "
         f"--soak-bounce-down-s {args.soak_bounce_down_s:g} --soak-store {args.soak_store}"
         + (f" --soak-trace-allocations {args.soak_trace_allocations}" if args.soak_trace_allocations else "")
+        + (f" --soak-preload {args.soak_preload}" if args.soak_preload else "")
     ]
 
 
@@ -193,6 +203,44 @@ def _threads() -> int:
     return 0
 
 
+def _threads_by_maker() -> tuple[int, int, int]:
+    """The threads as Python's (the main one, the executors' workers: Python 3.11 names none of them),
+    librdkafka's (``rdk:*``) and RocksDB's (``rocksdb:*``): a rise shows whose."""
+    python = librdkafka = rocksdb = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{task}/comm").read_text().strip()
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        if name.startswith("rdk:"):
+            librdkafka += 1
+        elif name.startswith("rocksdb:"):
+            rocksdb += 1
+        else:
+            python += 1
+    return python, librdkafka, rocksdb
+
+
+def _fds_by_kind(store_dir: str) -> tuple[int, int, int]:
+    """The open descriptors as sockets (the brokers' connections; also the loop's self-pipe and the
+    child's line to the bench, socket pairs both, three that never change), the state store's files
+    (RocksDB keeps each live table file open: their count follows its levels, not the time run) and
+    the rest (pipes, event fds, the samples' own files)."""
+    sockets = store = other = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed between the listing and the read (the listing's own)
+            continue
+        if target.startswith("socket:"):
+            sockets += 1
+        elif target.startswith(store_dir):
+            store += 1
+        else:
+            other += 1
+    return sockets, store, other
+
+
 def _outputs(pod: Any, kind: str) -> int:
     return sum(n for name, n in pod.stats.outputs.items() if name.endswith("." + kind))
 
@@ -236,6 +284,8 @@ async def _pod_run(spec: dict[str, Any], conn: Any) -> None:
                     sys.getallocatedblocks(),
                     *malloc_totals(),
                     *arena_split().mib(),
+                    *_threads_by_maker(),
+                    *_fds_by_kind(spec["env"]["SANDBOX_LANES_STATE_DIR"]),
                 ]
                 out.write(json.dumps(row) + "\n")
                 out.flush()
@@ -513,6 +563,26 @@ async def _bounces(
         n += 1
 
 
+@contextlib.contextmanager
+def _preloaded(library: str) -> Iterator[None]:
+    """``LD_PRELOAD`` in this process's environment while the pod's child is spawned (a spawned child
+    is a new interpreter, exec'd with the parent's environment), not after."""
+    if not library:
+        yield
+        return
+    if not Path(library).is_file():
+        raise FileNotFoundError(f"--soak-preload: no such library: {library}")
+    before = os.environ.get("LD_PRELOAD")
+    os.environ["LD_PRELOAD"] = library
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LD_PRELOAD"]
+        else:
+            os.environ["LD_PRELOAD"] = before
+
+
 async def measure_soak(args: argparse.Namespace, show: bool) -> dict[str, Any]:
     from harness.kafka_broker import KafkaCluster
 
@@ -586,7 +656,8 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=child_process, args=(_pod_run, spec, child))
-    proc.start()
+    with _preloaded(args.soak_preload):
+        proc.start()
     child.close()
     loop = asyncio.get_running_loop()
     from sandbox_lanes_bench.common import recv
@@ -689,6 +760,7 @@ async def _soak(args: argparse.Namespace, cluster: Any, show: bool) -> dict[str,
             "bounce_every_s": args.soak_bounce_every_s,
             "bounce_down_s": args.soak_bounce_down_s,
             "store": args.soak_store,
+            "preload": args.soak_preload,
             "directory": str(directory),
             "executions": run.created,
             # read back from the outcome topic after the run

@@ -5,6 +5,7 @@ See :mod:`sandbox_lanes_bench.soak` for what is sampled and how.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Sequence
@@ -31,6 +32,17 @@ HEAP = (
     "main_arena_free_mib",
     "thread_arenas_used_mib",
     "thread_arenas_free_mib",
+)
+#: The threads by who made them and the descriptors by what they are, trended when the samples have
+#: them: a count that steps with the bounces (a broker's threads gone while it is down, a closed
+#: producer's lingering) tells apart from one that grows, and which of the pod's parts it is.
+KINDS = (
+    "threads_python",
+    "threads_librdkafka",
+    "threads_rocksdb",
+    "fds_sockets",
+    "fds_store",
+    "fds_other",
 )
 #: The census's types that grew the most after the warm-up, kept in the figures.
 CENSUS_GROWTH = 12
@@ -66,6 +78,45 @@ def slope(points: Sequence[tuple[float, float]]) -> dict[str, float]:
     return {"per_hour": b, "ci95_per_hour": 1.96 * se, "residual_sd": sd, "n": n}
 
 
+def t95(df: int) -> float:
+    """Student's t two-sided 95 % quantile for ``df`` degrees of freedom (Cornish-Fisher's expansion
+    about the normal's 1.96: within 0.01 of the table from df 5 up)."""
+    z = 1.96
+    if df <= 0:
+        return math.inf
+    return (
+        z
+        + (z**3 + z) / (4 * df)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
+    )
+
+
+#: After a broker comes back, the seconds before its cycle's samples count: its clients reconnect, a
+#: closed producer's threads linger, the lag drains (the run's lingering median is about a minute).
+SETTLE_AFTER_BOUNCE_S = 60.0
+
+
+def between_bounces(
+    points: Sequence[tuple[float, float]], bounces: Sequence[dict[str, Any]]
+) -> list[tuple[float, float]]:
+    """One point per quiet stretch of the run (from a minute after a broker came back to the next one's
+    going down): its samples' mean at its middle. Samples a second apart are not independent (a count
+    stays where a bounce left it for minutes), so a slope through them claims a precision it does not
+    have; through these means, one a cycle, its interval is an honest one (batch means)."""
+    if not points:
+        return []
+    times = [t for t, _ in points]
+    starts = [times[0], *(float(b["up_t_s"]) + SETTLE_AFTER_BOUNCE_S for b in bounces)]
+    ends = [*(float(b["down_t_s"]) for b in bounces), times[-1] + 1.0]
+    out = []
+    for lo, hi in zip(starts, ends, strict=True):
+        inside = [v for _, v in points[bisect.bisect_left(times, lo) : bisect.bisect_left(times, hi)]]
+        if len(inside) >= 10:
+            out.append(((lo + hi) / 2.0, statistics.fmean(inside)))
+    return out
+
+
 def later_half(points: Sequence[tuple[float, float]]) -> dict[str, float]:
     """The slope over the later half of the steady period: what tells a growth that levels off (a
     cache filling, an allocator's free lists reaching their working size) from one that goes on with
@@ -87,7 +138,7 @@ def summarise(fig: dict[str, Any]) -> dict[str, Any]:
     names: tuple[str, ...] = FLAT
     if "rocksdb_mib" in columns:  # samples of runs before it lack the column
         names = (*FLAT, BEYOND_ROCKSDB)
-    names = (*names, *(name for name in HEAP if name in columns))
+    names = (*names, *(name for name in (*HEAP, *KINDS) if name in columns))
     for name in names:
         points = [(r[0], _value(columns, r, name)) for r in steady]
         values = [v for _, v in points]
@@ -108,6 +159,14 @@ def summarise(fig: dict[str, Any]) -> dict[str, Any]:
             later = later_half(points)
             trend["later_half_per_hour"] = later["per_hour"]
             trend["later_half_ci95_per_hour"] = later["ci95_per_hour"]
+            cycles = between_bounces(points, fig["bounces"])
+            for key, fit in (("cycles", slope(cycles)), ("cycles_later_half", later_half(cycles))):
+                if fit["n"] < 3:
+                    continue
+                trend[f"{key}_n"] = fit["n"]
+                trend[f"{key}_per_hour"] = fit["per_hour"]
+                # Student's t on n - 2 degrees of freedom, not the normal's 1.96: few points
+                trend[f"{key}_ci95_per_hour"] = fit["ci95_per_hour"] / 1.96 * t95(int(fit["n"]) - 2)
         trends[name] = trend
     fig["steady_from_s"] = start
     fig["trends"] = trends
@@ -198,6 +257,12 @@ _UNITS = {
     "main_arena_free_mib": "MiB",
     "thread_arenas_used_mib": "MiB",
     "thread_arenas_free_mib": "MiB",
+    "threads_python": "threads",
+    "threads_librdkafka": "threads",
+    "threads_rocksdb": "threads",
+    "fds_sockets": "fds",
+    "fds_store": "fds",
+    "fds_other": "fds",
 }
 
 
@@ -211,14 +276,15 @@ def report_rows(fig: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             "0 / 0",
         )
     ]
-    for name in (*FLAT, BEYOND_ROCKSDB, *HEAP):
+    for name in (*FLAT, BEYOND_ROCKSDB, *HEAP, *KINDS):
         t = fig["trends"].get(name) or {}
         if "median" not in t:
             continue
         rows.append(
             (
-                f"soak: {name} slope after warm-up; over its later half, {_UNITS[name]}/h (±95 %)",
-                f"{t['per_hour']:+.3g} ± {t['ci95_per_hour']:.2g}; {_later(t)}",
+                f"soak: {name} slope after warm-up; its later half; a mean per cycle between bounces, "
+                f"all and later half, {_UNITS[name]}/h (±95 %)",
+                f"{t['per_hour']:+.3g} ± {t['ci95_per_hour']:.2g}; {_later(t)}; {_cycles(t)}",
                 f"{t['min']:g}-{t['max']:g} (median {t['median']:g})",
                 "flat",
             )
@@ -238,6 +304,18 @@ def _later(trend: dict[str, Any]) -> str:
     if "later_half_per_hour" not in trend:  # figures summarised before the later half was
         return "-"
     return f"{trend['later_half_per_hour']:+.3g} ± {trend['later_half_ci95_per_hour']:.2g}"
+
+
+def _cycles(trend: dict[str, Any]) -> str:
+    if "cycles_per_hour" not in trend:  # too few bounces, or figures summarised before these were
+        return "-"
+
+    def fit(key: str) -> str:
+        if f"{key}_per_hour" not in trend:
+            return "-"
+        return f"{trend[f'{key}_per_hour']:+.3g} ± {trend[f'{key}_ci95_per_hour']:.2g} ({trend[f'{key}_n']})"
+
+    return f"{fit('cycles')}; {fit('cycles_later_half')}"
 
 
 def extra_lines(fig: dict[str, Any]) -> list[str]:

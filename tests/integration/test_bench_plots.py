@@ -181,8 +181,11 @@ def _soak() -> dict[str, Any]:
 
     # py_blocks; glibc in use and free; the main arena, then the thread arenas, in use and free
     heap = (200_000, 25.0, 3.0, 12.0, 1.0, 4.0, 2.0)
+    # the threads by maker (Python's, librdkafka's, RocksDB's), the descriptors by kind (sockets, the
+    # store's files, the rest)
+    kinds = (7, 18, 2, 30, 25, 15)
     pod_rows = [
-        [float(t), 60.0 + t % 3, 27, 70, 24, 50, 0.5, t, t, 0, 0, 0, 0, 20.0 + t % 3, *heap]
+        [float(t), 60.0 + t % 3, 27, 70, 24, 50, 0.5, t, t, 0, 0, 0, 0, 20.0 + t % 3, *heap, *kinds]
         for t in range(1, 181)
     ]
     bench_rows = [[float(t), t, t, t, None if 100 <= t < 110 else 3] for t in range(1, 181)]

@@ -66,6 +66,15 @@ def test_a_short_soak_samples_every_second_and_loses_nothing(tmp_path: Path) -> 
     assert min(col["py_blocks"]) > 1000 and min(col["malloc_used_mib"]) > 0
     # ... the main thread's arena apart from the others' (librdkafka's and RocksDB's threads have theirs)
     assert min(col["main_arena_used_mib"]) > 0 and max(col["thread_arenas_used_mib"]) > 0
+    # the threads by who made them, the descriptors by kind: they add up to the counts beside them; the
+    # pod holds broker connections and RocksDB's files (2 s apart: a thread may start between reads)
+    parts = zip(col["threads_python"], col["threads_librdkafka"], col["threads_rocksdb"], strict=True)
+    assert all(abs(sum(p) - n) <= 2 for p, n in zip(parts, col["threads"], strict=True))
+    assert min(col["threads_python"]) >= 1 and max(col["threads_librdkafka"]) > 0
+    assert max(col["threads_rocksdb"]) > 0
+    fds = zip(col["fds_sockets"], col["fds_store"], col["fds_other"], strict=True)
+    assert all(abs(sum(p) - n) <= 3 for p, n in zip(fds, col["fds"], strict=True))
+    assert max(col["fds_sockets"]) > 3 and min(col["fds_store"]) > 0
     assert fig["censuses"] and all(c[1]["total"] > 1000 and c[2][0][1] > 100 for c in fig["censuses"])
     # retention (20 s) removed states during the run: more were made than were ever held at once
     assert 0 < max(col["states"]) < fig["executions"], max(col["states"])

@@ -7,7 +7,7 @@ import math
 import random
 from collections.abc import Callable
 
-from sandbox_lanes_bench.soak_figures import later_half, report_rows, slope, summarise
+from sandbox_lanes_bench.soak_figures import between_bounces, later_half, report_rows, slope, summarise, t95
 
 HOURS = 2.0
 NOISE_MIB = 1.0
@@ -64,6 +64,62 @@ def test_the_table_shows_both_slopes() -> None:
     row = next(r for r in report_rows(fig) if r[0].startswith("soak: rss_mib"))
     assert row[1] == (
         f"{rss['per_hour']:+.3g} ± {rss['ci95_per_hour']:.2g}; "
-        f"{rss['later_half_per_hour']:+.3g} ± {rss['later_half_ci95_per_hour']:.2g}"
+        f"{rss['later_half_per_hour']:+.3g} ± {rss['later_half_ci95_per_hour']:.2g}; -"  # no bounces
     )
     assert rss["later_half_per_hour"] < rss["per_hour"] / 5
+
+
+# --- a mean per cycle between bounces: an interval that holds when samples are not independent ------
+
+BOUNCE_EVERY_S = 240.0
+BOUNCE_DOWN_S = 20.0
+
+
+def _bounced(seed: int, per_hour: float) -> tuple[list[tuple[float, float]], list[dict[str, float]]]:
+    """A count like the soak's threads or descriptors: a level that stays where a bounce left it until
+    the next (a connection more or fewer, a pool's worker), -3 while a broker is down, +6 for the
+    closed producer lingering after it comes back; and ``per_hour`` of steady growth under it."""
+    rng = random.Random(seed)
+    bounces = [
+        {"down_t_s": d, "up_t_s": d + BOUNCE_DOWN_S}
+        for d in (BOUNCE_EVERY_S * k for k in range(1, int(HOURS * 3600 / BOUNCE_EVERY_S)))
+    ]
+    points, level, k = [], 0.0, 0
+    for t in range(int(HOURS * 3600)):
+        while k < len(bounces) and t >= bounces[k]["up_t_s"]:
+            level, k = float(rng.choice((-2, -1, 0, 1, 2))), k + 1
+        down = k < len(bounces) and bounces[k]["down_t_s"] <= t
+        lingering = k > 0 and t < bounces[k - 1]["up_t_s"] + 40
+        value = 27 + level + per_hour * t / 3600.0 - 3 * down + 6 * lingering + rng.gauss(0.0, 0.3)
+        points.append((float(t), value))
+    return points, bounces
+
+
+def test_a_flat_count_that_steps_with_bounces_is_called_flat_per_cycle_not_per_second() -> None:
+    """Over 60 runs of a count with no growth at all: a slope through its samples a second apart calls
+    most of them rising or falling (its interval assumes independent samples); through a mean per cycle,
+    about one run in twenty, as a 95 % interval should."""
+    per_second = per_cycle = 0
+    runs = 60
+    for seed in range(runs):
+        points, bounces = _bounced(seed, 0.0)
+        fit = slope(points)
+        per_second += abs(fit["per_hour"]) > fit["ci95_per_hour"]
+        cycles = between_bounces(points, bounces)
+        assert len(cycles) == len(bounces) + 1  # the stretch before the first bounce and after each
+        c = slope(cycles)
+        per_cycle += abs(c["per_hour"]) > c["ci95_per_hour"] / 1.96 * t95(c["n"] - 2)
+    assert per_second > runs / 2, per_second
+    assert per_cycle <= runs * 0.15, per_cycle
+
+
+def test_a_count_that_grows_under_the_steps_is_seen_per_cycle() -> None:
+    points, bounces = _bounced(3, 2.0)  # two a hour
+    c = slope(between_bounces(points, bounces))
+    half = c["ci95_per_hour"] / 1.96 * t95(c["n"] - 2)
+    assert c["per_hour"] - half > 0.5 and abs(c["per_hour"] - 2.0) < half
+
+
+def test_t95_against_the_table() -> None:
+    for df, table in ((5, 2.571), (10, 2.228), (25, 2.060), (100, 1.984)):
+        assert abs(t95(df) - table) < 0.01, (df, t95(df))
