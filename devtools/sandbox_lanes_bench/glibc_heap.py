@@ -14,6 +14,7 @@ import ctypes
 import functools
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
+from typing import Any
 
 MIB = 1024 * 1024
 
@@ -50,8 +51,17 @@ def _libc() -> ctypes.CDLL | None:
         libc.open_memstream.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t))
         libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
         libc.fclose.argtypes = (ctypes.c_void_p,)
-        libc.free.argtypes = (ctypes.c_void_p,)
     return libc
+
+
+@functools.cache
+def _free() -> Any:
+    """``free`` as the process resolves it, not glibc's own: the memory stream's buffer comes from
+    whichever ``malloc`` the process runs on (another allocator preloaded takes glibc's internal calls
+    too), and glibc's ``free`` of another allocator's block aborts the process."""
+    free = ctypes.CDLL(None).free
+    free.argtypes = (ctypes.c_void_p,)
+    return free
 
 
 def malloc_totals() -> tuple[float, float]:
@@ -120,5 +130,5 @@ def arena_split() -> ArenaSplit:
     try:
         xml = ctypes.string_at(buffer.value, size.value).decode() if buffer.value else ""
     finally:
-        libc.free(buffer)
+        _free()(buffer)
     return parse_malloc_info(xml) if xml else ArenaSplit()
