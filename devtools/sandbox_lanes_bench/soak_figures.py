@@ -354,6 +354,7 @@ def draw(fig: dict[str, Any], doc: Any) -> Figure | None:
     panels = [
         ("RSS, MiB", [n for n in ("rss_mib", "rocksdb_mib") if n in columns]),
         ("threads, descriptors", ["threads", "fds"]),
+        *((("by maker, by kind", kinds),) if (kinds := [n for n in KINDS if n in columns]) else ()),
         ("asyncio tasks", ["tasks"]),
         ("states held", ["states"]),
     ]

@@ -240,6 +240,8 @@ def test_every_chart_from_a_document_with_every_figure(tmp_path: Path) -> None:
         "rss_beyond_rocksdb_mib",
         "asyncio tasks",
         "states held",
+        "by maker, by kind",  # the threads by who made them, the descriptors by kind
+        "fds_store",
         "consumer lag, records",
         "1 broker bounces",
     ):
