@@ -15,7 +15,8 @@ Sampled every second:
   (the store's count), how late the sampler's one-second sleep woke (the loop's lag), the pod's outcome
   counters, dead letters, failed commits and the closed producers whose threads still linger; what
   RocksDB holds in memory; the heap: Python's blocks in use, glibc's in use and free-but-kept, the main
-  thread's arena apart from the other threads' (``glibc_heap``);
+  thread's arena apart from the other threads' (``glibc_heap``); the threads by who made them (Python,
+  librdkafka, RocksDB) and the descriptors by kind (sockets, the store's files, the rest);
 * by the bench: executions created, provisioned and torn down (read from the outcomes topic,
   read_committed), the pod's consumer lag on its inputs (end offsets minus the group's committed offsets;
   empty while the cluster cannot answer), and each outcome's latency from the event that caused it
@@ -25,9 +26,11 @@ Both write their rows to JSON-lines files in ``--soak-dir`` as they go (a run st
 had). The figure: after the warm-up (the first retention period plus a lifetime and a minute), each
 resource's least-squares slope per hour with its 95 % interval, over the whole steady period and over its
 later half (a growth that levels off rises over the whole only), next to the spread of its samples, and
-the first and last quarters' medians; latency p50/p99/max per window of the run; every execution
-provisioned once and torn down once (lost and duplicate outcomes counted). Nothing is asserted here:
-the figures are printed, drawn (``draw``) and kept in the run's JSON.
+the first and last quarters' medians; the same two slopes through one mean per quiet stretch between
+bounces (``soak_figures.between_bounces``: samples a second apart are not independent, these are);
+latency p50/p99/max per window of the run; every execution provisioned once and torn down once (lost
+and duplicate outcomes counted). Nothing is asserted here: the figures are printed, drawn (``draw``)
+and kept in the run's JSON.
 """
 
 from __future__ import annotations
