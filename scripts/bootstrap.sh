@@ -45,6 +45,8 @@ if [[ $want_system -eq 1 ]]; then
   # a real Prometheus (and promtool) evaluates the shipped alerts and dashboard queries on a running pod
   # (tests/integration/test_dashboard_alerts.py)
   command -v prometheus >/dev/null && command -v promtool >/dev/null || missing+=(prometheus)
+  # jemalloc, the allocator the soak can run the pod on (bench --soak-preload; its heap figures' test)
+  [[ -e /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ]] || missing+=(libjemalloc2)
   if [[ ${#missing[@]} -gt 0 ]]; then
     if [[ $(id -u) -ne 0 ]]; then
       log "missing system packages: ${missing[*]} (run as root or install them)"; exit 1

@@ -15,7 +15,7 @@ Sampled every second:
   (the store's count), how late the sampler's one-second sleep woke (the loop's lag), the pod's outcome
   counters, dead letters, failed commits and the closed producers whose threads still linger; what
   RocksDB holds in memory; the heap: Python's blocks in use, glibc's in use and free-but-kept, the main
-  thread's arena apart from the other threads' (``glibc_heap``); the threads by who made them (Python,
+  thread's arena apart from the other threads' (``c_heap``); the threads by who made them (Python,
   librdkafka, RocksDB) and the descriptors by kind (sockets, the store's files, the rest);
 * by the bench: executions created, provisioned and torn down (read from the outcomes topic,
   read_committed), the pod's consumer lag on its inputs (end offsets minus the group's committed offsets;
@@ -55,7 +55,7 @@ from typing import Any
 
 from consumers.ops.progress import progress
 from sandbox_lanes_bench.common import child_process, read_status
-from sandbox_lanes_bench.glibc_heap import arena_split, malloc_totals
+from sandbox_lanes_bench.c_heap import arena_split, malloc_totals
 from sandbox_lanes_bench.soak_figures import HEAP, KINDS, draw, extra_lines, report_rows, summarise, warmup_s
 
 MIB = 1024 * 1024

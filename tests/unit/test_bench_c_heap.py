@@ -1,12 +1,20 @@
-"""The soak's glibc heap columns: the main thread's arena apart from the other threads', read from this
-process's own ``malloc_info`` (the real allocator, not a recording)."""
+"""The soak's heap columns: glibc's main thread's arena apart from the other threads', read from this
+process's own ``malloc_info``, and jemalloc's totals in a process preloaded with it (the real
+allocators, not recordings)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
-from sandbox_lanes_bench.glibc_heap import ArenaSplit, arena_split, malloc_totals, parse_malloc_info
+from sandbox_lanes_bench.c_heap import ArenaSplit, arena_split, malloc_totals, parse_malloc_info
 
 MIB = 1024 * 1024
+DEVTOOLS = Path(__file__).resolve().parents[2] / "devtools"
 
 # malloc_info's layout (glibc 2.36, malloc/malloc.c __malloc_info), two arenas, sizes lists trimmed.
 TWO_ARENAS = """<malloc version="1">
@@ -63,3 +71,32 @@ def test_what_the_main_thread_keeps_shows_in_the_main_arena() -> None:
     assert grown >= 15 * MIB, (before, after)
     assert malloc_totals()[0] >= grown / MIB
     del kept
+
+
+JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"  # Debian's libjemalloc2 (scripts/bootstrap.sh)
+
+
+def test_under_jemalloc_the_totals_are_jemallocs() -> None:
+    """A process on jemalloc (preloaded, as ``bench --soak-preload`` runs the soak's pod): the totals
+    follow what it holds, and the arena split, glibc's, reads what glibc is left with."""
+    if not Path(JEMALLOC).is_file():
+        pytest.fail(f"{JEMALLOC} missing: scripts/bootstrap.sh installs libjemalloc2")
+    code = (
+        "import json\n"
+        "from sandbox_lanes_bench.c_heap import arena_split, malloc_totals\n"
+        "before = malloc_totals()\n"
+        "kept = [bytearray(48 * 1024) for _ in range(400)]\n"
+        "after = malloc_totals()\n"
+        "print(json.dumps([before, after, arena_split().mib()]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "LD_PRELOAD": JEMALLOC, "PYTHONPATH": str(DEVTOOLS)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    before, after, split = json.loads(out.stdout)
+    assert after[0] - before[0] >= 15, (before, after)  # 400 x 48 KiB in use: 18.75 MiB
+    assert split[0] < 1, split  # glibc's main arena: nothing of the 18.75 MiB

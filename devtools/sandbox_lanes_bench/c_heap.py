@@ -1,11 +1,15 @@
-"""glibc's view of the process's heap, for the soak's samples: totals (``mallinfo2``) and the main
-thread's arena apart from the other threads' (``malloc_info``).
+"""The C heap as its allocator sees it, for the soak's samples: glibc's totals (``mallinfo2``) and the
+main thread's arena apart from the other threads' (``malloc_info``), or jemalloc's totals.
 
 The split says whose allocations a rising heap holds: the main arena serves the thread that runs the
 event loop (Python objects over 512 bytes, protobuf's and the codecs' buffers), the thread arenas
 librdkafka's, RocksDB's and the executor's threads. Roughly: once glibc's arena limit is reached (8 per
 core), a new thread is handed an existing arena, the main one among them. Where the C library is not
 glibc (2.33+ for ``mallinfo2``) every figure is 0.
+
+Under jemalloc (preloaded: ``bench --soak-preload``) the totals are jemalloc's own (``mallctl``): in use
+(``stats.allocated``) and what it keeps beside that (``stats.resident`` less it: dirty pages not yet
+purged, its metadata, the unused parts of its extents). glibc's arenas then hold next to nothing.
 """
 
 from __future__ import annotations
@@ -64,9 +68,43 @@ def _free() -> Any:
     return free
 
 
+@functools.cache
+def _mallctl() -> Any:
+    """jemalloc's ``mallctl`` where the process runs on it, else None (glibc has no such call)."""
+    mallctl = getattr(ctypes.CDLL(None), "mallctl", None)
+    if mallctl is None:
+        return None
+    mallctl.argtypes = (
+        ctypes.c_char_p,
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_size_t),
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+    )
+    mallctl.restype = ctypes.c_int
+    return mallctl
+
+
+def _jemalloc_totals(mallctl: Any) -> tuple[float, float]:
+    epoch = ctypes.c_uint64(1)  # jemalloc's statistics are a snapshot, refreshed by writing the epoch
+    mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.sizeof(epoch))
+    values = []
+    for name in (b"stats.allocated", b"stats.resident"):
+        value, size = ctypes.c_size_t(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+        if mallctl(name, ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+            return (0.0, 0.0)  # built without statistics
+        values.append(value.value)
+    allocated, resident = values
+    return (round(allocated / MIB, 2), round(max(0, resident - allocated) / MIB, 2))
+
+
 def malloc_totals() -> tuple[float, float]:
-    """glibc's heap in MiB: (in use, including mmapped chunks; free but kept in its arenas). The RSS
-    beyond both and beyond Python's own arenas is fragmentation the allocator cannot give back."""
+    """The C heap in MiB: (in use, including mmapped chunks; free but kept). glibc's from its arenas,
+    jemalloc's from its statistics where the process runs on it. The RSS beyond both and beyond
+    Python's own arenas is memory no allocator accounts for (stacks, libraries' own maps)."""
+    mallctl = _mallctl()
+    if mallctl is not None:
+        return _jemalloc_totals(mallctl)
     call = getattr(_libc(), "mallinfo2", None)
     if call is None:  # not glibc 2.33+: the columns stay empty
         return (0.0, 0.0)
