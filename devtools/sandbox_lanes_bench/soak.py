@@ -54,8 +54,8 @@ from pathlib import Path
 from typing import Any
 
 from consumers.ops.progress import progress
-from sandbox_lanes_bench.common import child_process, read_status
 from sandbox_lanes_bench.c_heap import arena_split, malloc_totals
+from sandbox_lanes_bench.common import child_process, read_status
 from sandbox_lanes_bench.soak_figures import HEAP, KINDS, draw, extra_lines, report_rows, summarise, warmup_s
 
 MIB = 1024 * 1024
