@@ -62,7 +62,9 @@ class ContainerdEvents:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            # the reader may be inside a label lookup (its own 30 s bound): marks() must not run
+            # beside it
+            self._thread.join(timeout=35)
 
     def _read(self) -> None:
         assert self._proc is not None and self._proc.stdout is not None
@@ -89,7 +91,7 @@ class ContainerdEvents:
         """By sandbox id (``pods``: pod name -> sandbox id): ``sandbox_started`` (the pod sandbox's
         task), ``container_created`` and ``container_started`` (the runner's), monotonic."""
         marks: dict[str, dict[str, float]] = {}
-        for (topic, container), at in self.seen.items():
+        for (topic, container), at in list(self.seen.items()):
             labels = self.labels.get(container) or self._labels(container)
             sandbox_id = pods.get(labels.get("io.kubernetes.pod.name", ""))
             if sandbox_id is None:
@@ -105,13 +107,18 @@ class ContainerdEvents:
         return marks
 
     def _labels(self, container: str) -> dict[str, str]:
-        info = subprocess.run(
-            ["ctr", "--address", str(self._socket), "-n", CRI_NAMESPACE, "containers", "info", container],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+        """The container's labels, {} when containerd cannot say (gone, or too slow: a later event or
+        ``marks`` asks again; the reader thread must not end on it)."""
+        try:
+            info = subprocess.run(
+                ["ctr", "--address", str(self._socket), "-n", CRI_NAMESPACE, "containers", "info", container],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+        except (subprocess.TimeoutExpired, OSError):
+            return {}
         if info.returncode != 0:
             return {}
         try:

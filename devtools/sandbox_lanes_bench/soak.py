@@ -27,10 +27,10 @@ had). The figure: after the warm-up (the first retention period plus a lifetime 
 resource's least-squares slope per hour with its 95 % interval, over the whole steady period and over its
 later half (a growth that levels off rises over the whole only), next to the spread of its samples, and
 the first and last quarters' medians; the same two slopes through one mean per quiet stretch between
-bounces (``soak_figures.between_bounces``: samples a second apart are not independent, these are);
-latency p50/p99/max per window of the run; every execution provisioned once and torn down once (lost
-and duplicate outcomes counted). Nothing is asserted here: the figures are printed, drawn (``draw``)
-and kept in the run's JSON.
+bounces (``soak_figures.between_bounces``: samples a second apart are not independent, these far more
+nearly are); latency p50/p99/max per window of the run; every execution provisioned once and torn
+down once (lost and duplicate outcomes counted). Nothing is asserted here: the figures are printed,
+drawn (``draw``) and kept in the run's JSON.
 """
 
 from __future__ import annotations
@@ -230,6 +230,7 @@ def _fds_by_kind(store_dir: str) -> tuple[int, int, int]:
     (RocksDB keeps each live table file open: their count follows its levels, not the time run) and
     the rest (pipes, event fds, the samples' own files)."""
     sockets = store = other = 0
+    store_root = os.path.realpath(store_dir) + os.sep  # what readlink gives: absolute, resolved
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
@@ -237,7 +238,7 @@ def _fds_by_kind(store_dir: str) -> tuple[int, int, int]:
             continue
         if target.startswith("socket:"):
             sockets += 1
-        elif target.startswith(store_dir):
+        elif target.startswith(store_root):
             store += 1
         else:
             other += 1
@@ -589,6 +590,8 @@ def _preloaded(library: str) -> Iterator[None]:
 async def measure_soak(args: argparse.Namespace, show: bool) -> dict[str, Any]:
     from harness.kafka_broker import KafkaCluster
 
+    if args.soak_preload and not Path(args.soak_preload).is_file():  # before a cluster is started
+        raise FileNotFoundError(f"--soak-preload: no such library: {args.soak_preload}")
     cluster = KafkaCluster(3)
     await asyncio.to_thread(cluster.start)
     try:

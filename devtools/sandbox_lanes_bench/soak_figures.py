@@ -78,12 +78,18 @@ def slope(points: Sequence[tuple[float, float]]) -> dict[str, float]:
     return {"per_hour": b, "ci95_per_hour": 1.96 * se, "residual_sd": sd, "n": n}
 
 
+#: Student's t two-sided 95 % quantiles where the expansion below is off (df 1: 9.7 for 12.7).
+_T95_TABLE = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776}
+
+
 def t95(df: int) -> float:
-    """Student's t two-sided 95 % quantile for ``df`` degrees of freedom (Cornish-Fisher's expansion
-    about the normal's 1.96: within 0.01 of the table from df 5 up)."""
+    """Student's t two-sided 95 % quantile for ``df`` degrees of freedom: the table up to 4, then
+    Cornish-Fisher's expansion about the normal's 1.96 (within 0.01 of the table from df 4 up)."""
     z = 1.96
     if df <= 0:
         return math.inf
+    if df in _T95_TABLE:
+        return _T95_TABLE[df]
     return (
         z
         + (z**3 + z) / (4 * df)
@@ -95,15 +101,19 @@ def t95(df: int) -> float:
 #: After a broker comes back, the seconds before its cycle's samples count: its clients reconnect, a
 #: closed producer's threads linger, the lag drains (the run's lingering median is about a minute).
 SETTLE_AFTER_BOUNCE_S = 60.0
+#: The fewest samples a quiet stretch counts with (the soak's are about 160, a second apart).
+MIN_STRETCH_SAMPLES = 30
 
 
 def between_bounces(
     points: Sequence[tuple[float, float]], bounces: Sequence[dict[str, Any]]
 ) -> list[tuple[float, float]]:
     """One point per quiet stretch of the run (from a minute after a broker came back to the next one's
-    going down): its samples' mean at its middle. Samples a second apart are not independent (a count
-    stays where a bounce left it for minutes), so a slope through them claims a precision it does not
-    have; through these means, one a cycle, its interval is an honest one (batch means)."""
+    going down): its samples' mean at their mean time. Samples a second apart are not independent (a
+    count stays where a bounce left it for minutes), so a slope through them claims a precision it
+    does not have. Through these means (batch means) the interval holds as far as one stretch's level
+    does not carry into the next: a step that a bounce leaves for good is a change the slope should see.
+    A stretch with fewer than ``MIN_STRETCH_SAMPLES`` samples (cut by the warm-up's end) is left out."""
     if not points:
         return []
     times = [t for t, _ in points]
@@ -111,9 +121,9 @@ def between_bounces(
     ends = [*(float(b["down_t_s"]) for b in bounces), times[-1] + 1.0]
     out = []
     for lo, hi in zip(starts, ends, strict=True):
-        inside = [v for _, v in points[bisect.bisect_left(times, lo) : bisect.bisect_left(times, hi)]]
-        if len(inside) >= 10:
-            out.append(((lo + hi) / 2.0, statistics.fmean(inside)))
+        inside = points[bisect.bisect_left(times, lo) : bisect.bisect_left(times, hi)]
+        if len(inside) >= MIN_STRETCH_SAMPLES:
+            out.append((statistics.fmean(t for t, _ in inside), statistics.fmean(v for _, v in inside)))
     return out
 
 

@@ -121,5 +121,51 @@ def test_a_count_that_grows_under_the_steps_is_seen_per_cycle() -> None:
 
 
 def test_t95_against_the_table() -> None:
-    for df, table in ((5, 2.571), (10, 2.228), (25, 2.060), (100, 1.984)):
+    for df, table in ((4, 2.776), (5, 2.571), (10, 2.228), (25, 2.060), (100, 1.984)):
         assert abs(t95(df) - table) < 0.01, (df, t95(df))
+
+
+def test_summarise_gives_the_slope_per_cycle_and_the_table_shows_it() -> None:
+    """Through ``summarise``, as a run's figures are made: the warm-up cut, the stretches between the
+    run's bounces, the later half's, and the table's text of both."""
+    points, bounces = _bounced(5, 2.0)
+    fig = {
+        "minutes": HOURS * 60,
+        "retention_s": 60,
+        "lifetime_s": 4,
+        "executions": 1,
+        "lost": 0,
+        "duplicates": 0,
+        "bounces": bounces,
+        "provision_ms": [[0.0, 1.0]],
+        "teardown_ms": [[0.0, 1.0]],
+        "bench_samples": {"columns": ["t_s", "lag"], "rows": [[0.0, 0]]},
+        "pod_samples": {
+            "columns": ["t_s", "rss_mib", "threads", "fds", "tasks", "states"],
+            "rows": [[t, 60.0, v, 50, 30, 10] for t, v in points],
+        },
+    }
+    threads = summarise(fig)["trends"]["threads"]
+    stretches = len(bounces) + 1  # the first from the warm-up's end (124 s) to the first bounce
+    assert threads["cycles_n"] == stretches, threads
+    assert threads["cycles_later_half_n"] in (stretches // 2, stretches // 2 + 1), threads
+    assert abs(threads["cycles_per_hour"] - 2.0) < threads["cycles_ci95_per_hour"], threads
+    row = next(r for r in report_rows(fig) if r[0].startswith("soak: threads "))
+    assert row[1].endswith(
+        f"{threads['cycles_per_hour']:+.3g} ± {threads['cycles_ci95_per_hour']:.2g} ({stretches}); "
+        f"{threads['cycles_later_half_per_hour']:+.3g} ± {threads['cycles_later_half_ci95_per_hour']:.2g} "
+        f"({threads['cycles_later_half_n']})"
+    ), row
+
+
+def test_t95_at_few_degrees_of_freedom() -> None:
+    assert t95(1) == 12.706 and t95(2) == 4.303 and t95(0) == float("inf")
+
+
+def test_a_stretch_cut_short_is_left_out_and_each_sits_at_its_samples_time() -> None:
+    points, bounces = _bounced(1, 0.0)
+    late = [p for p in points if p[0] >= 220.0]  # 20 samples before the first bounce (at 240 s)
+    cycles = between_bounces(late, bounces)
+    assert len(cycles) == len(bounces)  # the first stretch, 20 samples, is not one
+    # the second: from 60 s after the first broker came back (260 + 60) to the second bounce (480)
+    assert cycles[0][0] == sum(range(320, 480)) / 160
