@@ -169,3 +169,16 @@ def test_a_stretch_cut_short_is_left_out_and_each_sits_at_its_samples_time() -> 
     assert len(cycles) == len(bounces)  # the first stretch, 20 samples, is not one
     # the second: from 60 s after the first broker came back (260 + 60) to the second bounce (480)
     assert cycles[0][0] == sum(range(320, 480)) / 160
+
+
+def test_the_soak_lag_is_unknown_while_a_known_commit_is_answered_missing() -> None:
+    """A coordinator loading after a bounce answers -1 for partitions that have committed offsets: the
+    sample is unknown, not the whole partition in lag (the 200k-record spikes of the two-hour runs)."""
+    from sandbox_lanes_bench.soak import CommittedLag
+
+    lag = CommittedLag()
+    assert lag.lag({}, {"a": 10, "b": 5}) == 15  # before the group's first commit: from 0
+    assert lag.lag({"a": 8, "b": 5}, {"a": 10, "b": 5}) == 2
+    assert lag.lag({"a": -1, "b": 5}, {"a": 90_000, "b": 5}) is None  # a's commit not answered
+    assert lag.lag({"b": 5}, {"a": 90_000, "b": 5}) is None  # nor given at all
+    assert lag.lag({"a": 89_990, "b": 5}, {"a": 90_000, "b": 6}) == 11
